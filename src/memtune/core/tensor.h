@@ -1,6 +1,7 @@
 // A tensor is a non-owning, contiguous, row-major view: a pointer, a dtype, a shape and the
-// device that the pointer belongs to. Memory is owned by arenas (core/arena.h) or by the caller.
-// On the meta device the pointer is null: the planner runs the step without data.
+// device that the pointer belongs to. Memory is owned by arenas (core/memory.h) or by the caller.
+// On the meta device the pointer is a placeholder that is never dereferenced: the planner runs
+// the step without data.
 #pragma once
 
 #include <array>
@@ -55,7 +56,7 @@ struct Tensor {
   // Rows of a 2-D view of the tensor: all dims but the last folded together.
   int64_t rows() const { return shape.ndim == 0 ? 1 : numel() / shape[shape.ndim - 1]; }
   int64_t cols() const { return shape.ndim == 0 ? 1 : shape[shape.ndim - 1]; }
-  bool empty() const { return data == nullptr && device != Device::meta; }
+  bool empty() const { return data == nullptr; }  // "no tensor" (optional arguments)
 
   template <typename T>
   T* as() const {

@@ -1,0 +1,48 @@
+// The trainable state on a device: LoRA master weights (fp32), their compute-dtype copies, the
+// gradients and the AdamW moments.
+#pragma once
+
+#include <vector>
+
+#include "memtune/core/memory.h"
+#include "memtune/lora/lora_config.h"
+
+namespace memtune {
+
+class Backend;
+
+struct LoraTensors {
+  Tensor a, b;                  // f32 masters, [r, in] and [out, r]
+  Tensor a_compute, b_compute;  // what the GEMMs read: the masters in f32 mode, else copies
+  Tensor grad_a, grad_b;        // f32
+  Tensor exp_avg_a, exp_avg_sq_a, exp_avg_b, exp_avg_sq_b;  // f32; empty without optimizer
+};
+
+class LoraState {
+ public:
+  static LoraState allocate(Memory& memory, const LlamaConfig& model, const LoraConfig& lora,
+                            DType compute_dtype, bool with_optimizer);
+
+  const LoraConfig& config() const { return config_; }
+  const std::vector<LoraSpec>& specs() const { return specs_; }
+  std::vector<LoraTensors>& tensors() { return tensors_; }
+  const std::vector<LoraTensors>& tensors() const { return tensors_; }
+  // nullptr when (layer, projection) has no adapter.
+  const LoraTensors* find(int layer, Projection projection) const;
+  int64_t parameter_count() const { return count_lora_parameters(specs_); }
+
+  // PEFT init: A ~ kaiming_uniform(a=sqrt(5)) = U(-1/sqrt(in), 1/sqrt(in)), B = 0.
+  void init_peft(Backend& backend, uint64_t seed) const;
+  void zero_grads(Backend& backend) const;
+  void zero_optimizer(Backend& backend) const;
+  // Copies masters into the compute-dtype copies (after init, load and every update).
+  void sync_compute_copies(Backend& backend) const;
+
+ private:
+  LoraConfig config_;
+  std::vector<LoraSpec> specs_;
+  std::vector<LoraTensors> tensors_;
+  std::vector<int> index_;  // layer * kNumProjections + projection -> tensors_ index or -1
+};
+
+}  // namespace memtune

@@ -1,0 +1,256 @@
+#include "memtune/model/llama_config.h"
+
+#include <cmath>
+#include <fstream>
+
+#include "memtune/core/error.h"
+#include "memtune/model/presets.h"
+
+namespace memtune {
+namespace {
+
+using nlohmann::json;
+
+const json& require(const json& object, const char* key, const std::string& source) {
+  auto it = object.find(key);
+  MT_USER_CHECK(it != object.end() && !it->is_null(), "{}: missing required field \"{}\"", source,
+                key);
+  return *it;
+}
+
+int64_t require_positive_int(const json& object, const char* key, const std::string& source) {
+  const json& value = require(object, key, source);
+  MT_USER_CHECK(value.is_number_integer() && value.get<int64_t>() > 0,
+                "{}: \"{}\" must be a positive integer, got {}", source, key, value.dump());
+  return value.get<int64_t>();
+}
+
+double number_or(const json& object, const char* key, double fallback, const std::string& source) {
+  auto it = object.find(key);
+  if (it == object.end() || it->is_null()) return fallback;
+  MT_USER_CHECK(it->is_number(), "{}: \"{}\" must be a number, got {}", source, key, it->dump());
+  return it->get<double>();
+}
+
+}  // namespace
+
+LlamaConfig LlamaConfig::from_json(const json& j, const std::string& source) {
+  MT_USER_CHECK(j.is_object(), "{}: config must be a JSON object", source);
+  const json& model_type = require(j, "model_type", source);
+  MT_USER_CHECK(model_type.is_string() && model_type.get<std::string>() == "llama",
+                "{}: unsupported model_type {} (memtune supports \"llama\")", source,
+                model_type.dump());
+  LlamaConfig c;
+  c.hidden_size = require_positive_int(j, "hidden_size", source);
+  c.intermediate_size = require_positive_int(j, "intermediate_size", source);
+  c.num_hidden_layers = require_positive_int(j, "num_hidden_layers", source);
+  c.num_attention_heads = require_positive_int(j, "num_attention_heads", source);
+  c.num_key_value_heads = j.contains("num_key_value_heads") && !j["num_key_value_heads"].is_null()
+                              ? require_positive_int(j, "num_key_value_heads", source)
+                              : c.num_attention_heads;
+  c.vocab_size = require_positive_int(j, "vocab_size", source);
+  c.max_position_embeddings = require_positive_int(j, "max_position_embeddings", source);
+  if (j.contains("head_dim") && !j["head_dim"].is_null()) {
+    c.head_dim = require_positive_int(j, "head_dim", source);
+  } else {
+    MT_USER_CHECK(c.hidden_size % c.num_attention_heads == 0,
+                  "{}: hidden_size {} is not divisible by num_attention_heads {} and no head_dim "
+                  "is given",
+                  source, c.hidden_size, c.num_attention_heads);
+    c.head_dim = c.hidden_size / c.num_attention_heads;
+  }
+  MT_USER_CHECK(c.head_dim % 2 == 0, "{}: head_dim {} must be even for rotary embeddings", source,
+                c.head_dim);
+  MT_USER_CHECK(c.num_attention_heads % c.num_key_value_heads == 0,
+                "{}: num_attention_heads {} is not a multiple of num_key_value_heads {}", source,
+                c.num_attention_heads, c.num_key_value_heads);
+  c.rms_norm_eps = number_or(j, "rms_norm_eps", 1e-6, source);
+  c.rope_theta = number_or(j, "rope_theta", 10000.0, source);
+  c.initializer_range = number_or(j, "initializer_range", 0.02, source);
+  MT_USER_CHECK(c.rms_norm_eps > 0 && c.rope_theta > 0, "{}: rms_norm_eps and rope_theta must be "
+                "positive", source);
+  if (auto it = j.find("tie_word_embeddings"); it != j.end() && !it->is_null()) {
+    MT_USER_CHECK(it->is_boolean(), "{}: tie_word_embeddings must be true or false", source);
+    c.tie_word_embeddings = it->get<bool>();
+  }
+  for (const char* key : {"attention_bias", "mlp_bias"}) {
+    auto it = j.find(key);
+    MT_USER_CHECK(it == j.end() || it->is_null() || (it->is_boolean() && !it->get<bool>()),
+                  "{}: \"{}\": true is not supported (Llama has no biases)", source, key);
+  }
+  if (auto it = j.find("hidden_act"); it != j.end() && !it->is_null())
+    MT_USER_CHECK(*it == "silu", "{}: hidden_act {} is not supported (only \"silu\")", source,
+                  it->dump());
+  // transformers 4.x writes rope_theta + rope_scaling; transformers 5 writes both into one
+  // rope_parameters object {"rope_type", "rope_theta", "factor", ...}.
+  const json* rope_object = nullptr;
+  if (auto it = j.find("rope_parameters"); it != j.end() && !it->is_null()) {
+    MT_USER_CHECK(it->is_object(), "{}: rope_parameters must be an object", source);
+    rope_object = &*it;
+    c.rope_theta = number_or(*it, "rope_theta", c.rope_theta, source + " rope_parameters");
+    MT_USER_CHECK(c.rope_theta > 0, "{}: rope_theta must be positive", source);
+  } else if (auto it2 = j.find("rope_scaling"); it2 != j.end() && !it2->is_null()) {
+    rope_object = &*it2;
+  }
+  if (rope_object != nullptr) {
+    const json& rs = *rope_object;
+    MT_USER_CHECK(rs.is_object(), "{}: rope_scaling must be an object or null", source);
+    std::string type = rs.contains("rope_type") ? rs["rope_type"].get<std::string>()
+                       : rs.contains("type")    ? rs["type"].get<std::string>()
+                                                : "";
+    const std::string ctx = source + " rope_scaling";
+    if (type == "default" || type.empty()) {
+      // no scaling
+    } else if (type == "llama3") {
+      c.rope_scaling.type = type;
+      c.rope_scaling.factor = number_or(rs, "factor", 0, ctx);
+      c.rope_scaling.low_freq_factor = number_or(rs, "low_freq_factor", 0, ctx);
+      c.rope_scaling.high_freq_factor = number_or(rs, "high_freq_factor", 0, ctx);
+      c.rope_scaling.original_max_position_embeddings =
+          require_positive_int(rs, "original_max_position_embeddings", ctx);
+      MT_USER_CHECK(c.rope_scaling.factor > 0 && c.rope_scaling.low_freq_factor > 0 &&
+                        c.rope_scaling.high_freq_factor > c.rope_scaling.low_freq_factor,
+                    "{}: llama3 rope_scaling needs factor > 0 and high_freq_factor > "
+                    "low_freq_factor > 0",
+                    source);
+    } else {
+      mt_fail("{}: rope_scaling type \"{}\" is not supported (memtune supports \"llama3\")",
+              source, type);
+    }
+  }
+  if (auto it = j.find("bos_token_id"); it != j.end() && it->is_number_integer())
+    c.bos_token_id = it->get<int64_t>();
+  if (auto it = j.find("eos_token_id"); it != j.end()) {
+    if (it->is_number_integer()) c.eos_token_ids = {it->get<int64_t>()};
+    else if (it->is_array())
+      for (const json& id : *it)
+        if (id.is_number_integer()) c.eos_token_ids.push_back(id.get<int64_t>());
+  }
+  if (auto it = j.find("torch_dtype"); it != j.end() && it->is_string()) c.torch_dtype = *it;
+  if (auto it = j.find("dtype"); it != j.end() && it->is_string()) c.torch_dtype = *it;
+  return c;
+}
+
+LlamaConfig LlamaConfig::from_file(const std::filesystem::path& path) {
+  std::ifstream in(path);
+  MT_USER_CHECK(in.good(), "cannot open model config {}", path.string());
+  json j = json::parse(in, nullptr, /*allow_exceptions=*/false);
+  MT_USER_CHECK(!j.is_discarded(), "{}: not valid JSON", path.string());
+  LlamaConfig c = from_json(j, path.string());
+  c.name = path.parent_path().filename().string();
+  return c;
+}
+
+json LlamaConfig::to_json() const {
+  json j = {{"architectures", {"LlamaForCausalLM"}},
+            {"model_type", "llama"},
+            {"hidden_size", hidden_size},
+            {"intermediate_size", intermediate_size},
+            {"num_hidden_layers", num_hidden_layers},
+            {"num_attention_heads", num_attention_heads},
+            {"num_key_value_heads", num_key_value_heads},
+            {"head_dim", head_dim},
+            {"vocab_size", vocab_size},
+            {"max_position_embeddings", max_position_embeddings},
+            {"rms_norm_eps", rms_norm_eps},
+            {"rope_theta", rope_theta},
+            {"tie_word_embeddings", tie_word_embeddings},
+            {"initializer_range", initializer_range},
+            {"hidden_act", "silu"},
+            {"attention_bias", false},
+            {"mlp_bias", false}};
+  if (rope_scaling.type.empty()) {
+    j["rope_scaling"] = nullptr;
+  } else {
+    j["rope_scaling"] = {{"rope_type", rope_scaling.type},
+                         {"factor", rope_scaling.factor},
+                         {"low_freq_factor", rope_scaling.low_freq_factor},
+                         {"high_freq_factor", rope_scaling.high_freq_factor},
+                         {"original_max_position_embeddings",
+                          rope_scaling.original_max_position_embeddings}};
+  }
+  if (bos_token_id >= 0) j["bos_token_id"] = bos_token_id;
+  if (eos_token_ids.size() == 1) j["eos_token_id"] = eos_token_ids[0];
+  else if (!eos_token_ids.empty()) j["eos_token_id"] = eos_token_ids;
+  if (!torch_dtype.empty()) j["torch_dtype"] = torch_dtype;
+  return j;
+}
+
+std::vector<float> rope_inv_freq(const LlamaConfig& c) {
+  // transformers: inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64)
+  // .to(device=device, dtype=torch.float) / dim)): the exponent and the power are fp32.
+  const int64_t half = c.head_dim / 2;
+  std::vector<float> inv_freq(half);
+  for (int64_t j = 0; j < half; ++j) {
+    const float exponent = static_cast<float>(2 * j) / static_cast<float>(c.head_dim);
+    inv_freq[j] = 1.0f / std::pow(static_cast<float>(c.rope_theta), exponent);
+  }
+  if (c.rope_scaling.type == "llama3") {
+    // transformers modeling_rope_utils._compute_llama3_parameters (SPECS.md §3), fp32 tensors.
+    const RopeScaling& s = c.rope_scaling;
+    const float factor = static_cast<float>(s.factor);
+    const float low = static_cast<float>(s.low_freq_factor);
+    const float high = static_cast<float>(s.high_freq_factor);
+    const float original = static_cast<float>(s.original_max_position_embeddings);
+    const float low_freq_wavelen = original / low;
+    const float high_freq_wavelen = original / high;
+    for (float& f : inv_freq) {
+      const float wavelen = 2.0f * static_cast<float>(M_PI) / f;
+      if (wavelen > low_freq_wavelen) {
+        f = f / factor;
+      } else if (wavelen >= high_freq_wavelen) {
+        const float smooth = (original / wavelen - low) / (high - low);
+        f = (1.0f - smooth) * f / factor + smooth * f;
+      }
+    }
+  }
+  return inv_freq;
+}
+
+}  // namespace memtune
+
+namespace memtune {
+
+std::vector<std::string> preset_names() {
+  std::vector<std::string> names;
+  for (const EmbeddedPreset& preset : embedded_presets()) names.emplace_back(preset.name);
+  return names;
+}
+
+ModelSource resolve_model(const std::string& argument) {
+  namespace fs = std::filesystem;
+  for (const EmbeddedPreset& preset : embedded_presets()) {
+    if (argument != preset.name) continue;
+    ModelSource source;
+    source.config = LlamaConfig::from_json(nlohmann::json::parse(preset.config_json),
+                                           std::string("preset ") + preset.name);
+    source.config.name = preset.name;
+    return source;
+  }
+  const fs::path path(argument);
+  std::error_code ec;
+  if (fs::is_directory(path, ec)) {
+    MT_USER_CHECK(fs::exists(path / "config.json"), "model folder {} has no config.json",
+                  path.string());
+    ModelSource source;
+    source.config = LlamaConfig::from_file(path / "config.json");
+    source.config.name = fs::absolute(path).lexically_normal().filename().string();
+    bool has_weights = false;
+    for (const auto& entry : fs::directory_iterator(path))
+      if (entry.path().extension() == ".safetensors") has_weights = true;
+    if (has_weights) source.checkpoint_dir = path;
+    return source;
+  }
+  if (fs::is_regular_file(path, ec) && path.extension() == ".json") {
+    ModelSource source;
+    source.config = LlamaConfig::from_file(path);
+    source.config.name = path.stem().string();
+    return source;
+  }
+  std::string known;
+  for (const std::string& name : preset_names()) known += (known.empty() ? "" : ", ") + name;
+  mt_fail("--model {}: not a preset ({}), a folder with config.json, or a config .json file",
+          argument, known);
+}
+
+}  // namespace memtune

@@ -1,0 +1,43 @@
+// THE parameter table: every tensor of the base model, once. Names (HF keys), shapes, kinds
+// and init all come from here; loading, saving, random init, planning and printing iterate it.
+#pragma once
+
+#include <array>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "memtune/core/tensor.h"
+#include "memtune/model/llama_config.h"
+
+namespace memtune {
+
+// The seven linear projections of a Llama layer, in HF module order.
+enum class Projection : uint8_t { q, k, v, o, gate, up, down };
+constexpr int kNumProjections = 7;
+constexpr std::array<Projection, kNumProjections> kAllProjections = {
+    Projection::q, Projection::k, Projection::v, Projection::o,
+    Projection::gate, Projection::up, Projection::down};
+
+std::string_view projection_name(Projection p);         // "q_proj"
+std::string_view projection_module(Projection p);       // "self_attn.q_proj" / "mlp.gate_proj"
+bool projection_from_name(std::string_view name, Projection* out);  // "q_proj" or "q"
+int64_t projection_in_features(const LlamaConfig& c, Projection p);
+int64_t projection_out_features(const LlamaConfig& c, Projection p);
+
+enum class ParamKind : uint8_t { embedding, norm, linear, lm_head };
+
+struct ParamSpec {
+  std::string hf_key;  // "model.layers.3.self_attn.q_proj.weight"
+  ParamKind kind;
+  int layer = -1;      // -1: not inside a layer
+  Projection projection = Projection::q;  // for kind == linear
+  Shape shape;         // [out, in] for linear and lm_head; [H] for norms; [V, H] for embedding
+};
+
+// In checkpoint order: embed_tokens, then per layer input_layernorm, q, k, v, o,
+// post_attention_layernorm, gate, up, down, then model.norm and (untied) lm_head.
+std::vector<ParamSpec> base_parameter_table(const LlamaConfig& config);
+int64_t count_parameters(const std::vector<ParamSpec>& table);
+
+}  // namespace memtune

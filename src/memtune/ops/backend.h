@@ -1,0 +1,181 @@
+// The op interface: every computation of the training step goes through a Backend.
+//
+// Implementations: ops/cpu (the reference: fp32 math over f32/bf16/f16 storage), ops/cuda, and
+// the meta backend (plan/meta_backend.h), which does no arithmetic so that the planner can run
+// the step itself. All tensors are contiguous, row-major and live on the backend's device.
+// Unless a comment says otherwise, math is fp32 and results are rounded once to the output's
+// dtype; inputs and outputs may have different float dtypes.
+//
+// Layouts (N = batch * seq tokens, row-major):
+//   activations      [N, features]
+//   q                [N, n_heads * head_dim]      (= [batch, seq, heads, head_dim])
+//   k, v             [N, n_kv_heads * head_dim]
+//   eager probs      [batch, n_heads, seq, seq]
+//   flash lse        [batch, n_heads, seq]        f32, natural log
+//   linear weights   [out_features, in_features]  (HF nn.Linear layout)
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include "memtune/core/tensor.h"
+
+namespace memtune {
+
+struct AttentionDims {
+  int64_t batch = 0, seq = 0, n_heads = 0, n_kv_heads = 0, head_dim = 0;
+  float scale = 0.0f;  // softmax scale, head_dim^-0.5
+  int64_t tokens() const { return batch * seq; }
+  int64_t group() const { return n_heads / n_kv_heads; }  // query heads per kv head (GQA)
+};
+
+struct AdamWParams {
+  float lr = 1e-3f, beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f, weight_decay = 1e-2f;
+  int64_t step = 1;          // 1-based, after increment (torch semantics, SPECS.md §8)
+  float grad_scale = 1.0f;   // applied to the stored grad first: fp16 unscale times clip coef
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual Device device() const = 0;
+  virtual std::string name() const = 0;
+
+  // ---- memory -------------------------------------------------------------------------
+  virtual void* allocate_arena(uint64_t bytes) = 0;  // once per run
+  virtual void free_arena(void* base) = 0;
+  virtual void copy_from_host(const Tensor& dst, const void* host_src) = 0;  // same dtype/bytes
+  virtual void copy_to_host(void* host_dst, const Tensor& src) = 0;
+  virtual void synchronize() {}
+
+  // ---- elementwise ----------------------------------------------------------------------
+  virtual void fill(const Tensor& dst, float value) = 0;
+  // dst = src, converting dtype (same element count).
+  virtual void convert(const Tensor& dst, const Tensor& src) = 0;
+  // dst = a + b (dst may alias a or b).
+  virtual void add(const Tensor& dst, const Tensor& a, const Tensor& b) = 0;
+
+  // ---- GEMM -------------------------------------------------------------------------------
+  // c = alpha * op(a) @ op(b) + beta * c, on 2-D views: op(a) is [M, K], op(b) is [K, N], c is
+  // [M, N]. With beta == 0, c is not read (it may hold garbage or NaN).
+  virtual void matmul(const Tensor& c, const Tensor& a, bool transpose_a, const Tensor& b,
+                      bool transpose_b, float alpha, float beta) = 0;
+
+  // ---- model ops ----------------------------------------------------------------------------
+  // out[i, :] = table[ids[i], :]. ids i32 [N]; an id outside [0, V) is an internal error
+  // (ids are validated when the batch is built).
+  virtual void embedding_forward(const Tensor& out, const Tensor& table, const Tensor& ids) = 0;
+
+  // HF LlamaRMSNorm: y = weight * (x * rsqrt(mean(x^2) + eps)), with the normalised value
+  // rounded to x's dtype before the weight multiply (SPECS.md §4). rstd f32 [N] is written.
+  virtual void rmsnorm_forward(const Tensor& out, const Tensor& rstd, const Tensor& x,
+                               const Tensor& weight, float eps) = 0;
+  // dx (+)= d/dx of the above for a frozen weight. accumulate: dx += instead of dx =.
+  virtual void rmsnorm_backward(const Tensor& dx, const Tensor& dy, const Tensor& x,
+                                const Tensor& weight, const Tensor& rstd, bool accumulate) = 0;
+
+  // Rotary embedding in place on x [N, heads * head_dim], halves convention (rotate_half),
+  // angle = positions[i] * inv_freq[j] (f32 [head_dim / 2], llama3 scaling already applied).
+  virtual void rope_forward(const Tensor& x, const Tensor& positions, const Tensor& inv_freq,
+                            int64_t head_dim) = 0;
+  // The transpose of the rotation: dx in place.
+  virtual void rope_backward(const Tensor& dx, const Tensor& positions, const Tensor& inv_freq,
+                             int64_t head_dim) = 0;
+
+  // out = silu(gate) * up.
+  virtual void swiglu_forward(const Tensor& out, const Tensor& gate, const Tensor& up) = 0;
+  // d_gate, d_up from d_out (d_gate/d_up may alias gate/up: they are read before written).
+  virtual void swiglu_backward(const Tensor& d_gate, const Tensor& d_up, const Tensor& d_out,
+                               const Tensor& gate, const Tensor& up) = 0;
+
+  // ---- attention ------------------------------------------------------------------------------
+  // Causal GQA attention. segments (optional, i32 [N]): a token attends only to earlier tokens of
+  // its own segment (packed sequences); empty means one segment per row of the batch.
+  //
+  // Eager, as HF's eager path: scores = q k^T * scale -> causal mask -> softmax in fp32 ->
+  // probs (saved, in probs' dtype) -> out = probs v. scores_scratch [batch, n_heads, seq, seq]
+  // is free for the implementation to use.
+  virtual void attention_eager_forward(const Tensor& out, const Tensor& probs,
+                                       const Tensor& scores_scratch, const Tensor& q,
+                                       const Tensor& k, const Tensor& v, const Tensor& segments,
+                                       const AttentionDims& dims) = 0;
+  // dq, dk, dv (written, not accumulated). dprobs_scratch has the shape of probs.
+  virtual void attention_eager_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv,
+                                        const Tensor& dprobs_scratch, const Tensor& d_out,
+                                        const Tensor& probs, const Tensor& q, const Tensor& k,
+                                        const Tensor& v, const Tensor& segments,
+                                        const AttentionDims& dims) = 0;
+  // Flash (FlashAttention-2, SPECS.md §7): saves only out and lse (f32 [batch, n_heads, seq]).
+  virtual void attention_flash_forward(const Tensor& out, const Tensor& lse, const Tensor& q,
+                                       const Tensor& k, const Tensor& v, const Tensor& segments,
+                                       const AttentionDims& dims) = 0;
+  // delta_scratch f32 [batch, n_heads, seq] (rowsum(dO * O)); dq_accum_scratch f32 [N, n_heads *
+  // head_dim] for implementations that accumulate dq across key blocks.
+  virtual void attention_flash_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv,
+                                        const Tensor& delta_scratch,
+                                        const Tensor& dq_accum_scratch, const Tensor& d_out,
+                                        const Tensor& out, const Tensor& lse, const Tensor& q,
+                                        const Tensor& k, const Tensor& v, const Tensor& segments,
+                                        const AttentionDims& dims) = 0;
+
+  // ---- loss -------------------------------------------------------------------------------------
+  // Cross-entropy over logits [rows, V] (any float dtype; math in fp32) against targets i32
+  // [rows] (-100 = ignored). loss_sum f32 [1] += sum of -log softmax(logits)[target] over the
+  // rows that are not ignored. d_logits (may alias logits) = (softmax - onehot) * grad_scale on
+  // those rows and 0 on ignored rows.
+  virtual void cross_entropy_forward_backward(const Tensor& loss_sum, const Tensor& d_logits,
+                                              const Tensor& logits, const Tensor& targets,
+                                              float grad_scale) = 0;
+  // Forward only (eval): loss_sum += as above; nothing else is written.
+  virtual void cross_entropy_forward(const Tensor& loss_sum, const Tensor& logits,
+                                     const Tensor& targets) = 0;
+
+  // ---- LoRA dropout -----------------------------------------------------------------------------
+  // out = x * keep / (1 - p), keep drawn from a counter-based hash of (seed, element index) so
+  // that the same call in the backward (or on another backend) gives the same mask.
+  virtual void dropout(const Tensor& out, const Tensor& x, float p, uint64_t seed) = 0;
+
+  // ---- optimizer ----------------------------------------------------------------------------------
+  // acc f32 [1] += sum(x^2) (fp32 accumulate of grads for the global norm and the finite check).
+  virtual void sum_squares(const Tensor& acc, const Tensor& x) = 0;
+  // AdamW on f32 param/grad/m/v (torch semantics, SPECS.md §8), grad multiplied by grad_scale.
+  virtual void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& exp_avg,
+                          const Tensor& exp_avg_sq, const AdamWParams& params) = 0;
+  // dst *= value
+  virtual void scale(const Tensor& dst, float value) = 0;
+
+  // ---- initialisation -----------------------------------------------------------------------
+  // Seeded random fill from a counter-based hash of (seed, element index), so that every
+  // backend produces the same values: normal(a = mean, b = std) or uniform[a, b). The default
+  // generates on the host in chunks and copies; device backends may override it.
+  enum class Distribution { normal, uniform };
+  virtual void fill_random(const Tensor& dst, Distribution distribution, float a, float b,
+                           uint64_t seed);
+
+  // Reads one f32 from device memory (synchronises).
+  float read_scalar(const Tensor& scalar);
+};
+
+std::unique_ptr<Backend> make_cpu_backend();
+std::unique_ptr<Backend> make_meta_backend();
+#ifdef MEMTUNE_WITH_CUDA
+std::unique_ptr<Backend> make_cuda_backend();
+#endif
+
+// Counter-based hash for dropout masks: identical on every backend (a SplitMix64 finaliser).
+inline uint64_t dropout_hash(uint64_t seed, uint64_t index) {
+  uint64_t z = seed + 0x9e3779b97f4a7c15ull * (index + 1);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+// The value fill_random puts at `index`.
+float random_value(Backend::Distribution distribution, float a, float b, uint64_t seed,
+                   uint64_t index);
+
+// keep iff the top 24 bits, as a fraction of 2^24, are >= p.
+inline bool dropout_keep(uint64_t seed, uint64_t index, float p) {
+  return static_cast<float>(dropout_hash(seed, index) >> 40) * (1.0f / 16777216.0f) >= p;
+}
+
+}  // namespace memtune

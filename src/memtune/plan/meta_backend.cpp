@@ -1,0 +1,56 @@
+// The meta backend: the training step runs on it to make the plan. Memory calls hand out
+// nothing (the Memory class places the buffers) and ops do no arithmetic, so planning a 70B
+// model costs only the bookkeeping of its allocations.
+#include "memtune/ops/backend.h"
+
+namespace memtune {
+namespace {
+
+class MetaBackend final : public Backend {
+ public:
+  Device device() const override { return Device::meta; }
+  std::string name() const override { return "meta"; }
+  void* allocate_arena(uint64_t) override { return nullptr; }
+  void free_arena(void*) override {}
+  void copy_from_host(const Tensor&, const void*) override {}
+  void copy_to_host(void*, const Tensor&) override {}
+  void fill(const Tensor&, float) override {}
+  void convert(const Tensor&, const Tensor&) override {}
+  void add(const Tensor&, const Tensor&, const Tensor&) override {}
+  void matmul(const Tensor&, const Tensor&, bool, const Tensor&, bool, float, float) override {}
+  void embedding_forward(const Tensor&, const Tensor&, const Tensor&) override {}
+  void rmsnorm_forward(const Tensor&, const Tensor&, const Tensor&, const Tensor&, float) override {}
+  void rmsnorm_backward(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                        bool) override {}
+  void rope_forward(const Tensor&, const Tensor&, const Tensor&, int64_t) override {}
+  void rope_backward(const Tensor&, const Tensor&, const Tensor&, int64_t) override {}
+  void swiglu_forward(const Tensor&, const Tensor&, const Tensor&) override {}
+  void swiglu_backward(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                       const Tensor&) override {}
+  void attention_eager_forward(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                               const Tensor&, const Tensor&, const Tensor&,
+                               const AttentionDims&) override {}
+  void attention_eager_backward(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                const Tensor&, const Tensor&, const AttentionDims&) override {}
+  void attention_flash_forward(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                               const Tensor&, const Tensor&, const AttentionDims&) override {}
+  void attention_flash_backward(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                const AttentionDims&) override {}
+  void cross_entropy_forward_backward(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                      float) override {}
+  void cross_entropy_forward(const Tensor&, const Tensor&, const Tensor&) override {}
+  void dropout(const Tensor&, const Tensor&, float, uint64_t) override {}
+  void sum_squares(const Tensor&, const Tensor&) override {}
+  void adamw_step(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                  const AdamWParams&) override {}
+  void scale(const Tensor&, float) override {}
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> make_meta_backend() { return std::make_unique<MetaBackend>(); }
+
+}  // namespace memtune
