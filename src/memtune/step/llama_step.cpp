@@ -1,0 +1,338 @@
+#include "memtune/step/llama_step.h"
+
+#include <cmath>
+
+#include "memtune/model/llama_config.h"
+
+namespace memtune {
+
+LlamaStep::LlamaStep(Backend& backend, Memory& memory, const LlamaConfig& config,
+                     const StepOptions& options, const ModelWeights& weights,
+                     const LoraState& lora)
+    : backend_(backend),
+      memory_(memory),
+      config_(config),
+      options_(options),
+      weights_(weights),
+      lora_(lora),
+      dims_{options.micro_batch, options.seq, lora.config().r},
+      tokens_(options.micro_batch * options.seq),
+      lora_scale_(lora.config().scaling()),
+      lora_dropout_(static_cast<float>(lora.config().dropout)) {
+  MT_ASSERT(options.micro_batch > 0 && options.seq > 0);
+  inv_freq_ = memory_.alloc("rope.inv_freq", MemCategory::frozen_weights, DType::f32,
+                            Shape{config.head_dim / 2});
+  if (memory_.device() != Device::meta) {
+    const std::vector<float> inv_freq = rope_inv_freq(config);
+    backend_.copy_from_host(inv_freq_, inv_freq.data());
+  }
+  loss_sum_ = memory_.alloc("loss.sum", MemCategory::logits_loss, DType::f32, Shape{1});
+  const Shape per_token{tokens_};
+  batch_.input_ids = memory_.alloc("batch.input_ids", MemCategory::saved_activations, DType::i32, per_token);
+  batch_.targets = memory_.alloc("batch.targets", MemCategory::saved_activations, DType::i32, per_token);
+  batch_.positions = memory_.alloc("batch.positions", MemCategory::saved_activations, DType::i32, per_token);
+  batch_.segments = memory_.alloc("batch.segments", MemCategory::saved_activations, DType::i32, per_token);
+}
+
+AttentionDims LlamaStep::attention_dims() const {
+  AttentionDims d;
+  d.batch = options_.micro_batch;
+  d.seq = options_.seq;
+  d.n_heads = config_.num_attention_heads;
+  d.n_kv_heads = config_.num_key_value_heads;
+  d.head_dim = config_.head_dim;
+  d.scale = 1.0f / std::sqrt(static_cast<float>(config_.head_dim));
+  return d;
+}
+
+MemCategory LlamaStep::saved_category(bool recompute) const {
+  // Under checkpointing, a layer's activations live only while that layer runs (forward, or
+  // recompute + backward): they are transient, and only the layer inputs are saved.
+  return (options_.gradient_checkpointing || recompute) ? MemCategory::transient_activations
+                                                         : MemCategory::saved_activations;
+}
+
+Tensor LlamaStep::alloc_act(Act id, int layer, MemCategory category) {
+  const ActSpec& spec = act_spec(id);
+  return memory_.alloc(fmt::format("layers.{}.{}", layer, spec.name), category,
+                       spec.fp32 ? DType::f32 : options_.compute_dtype,
+                       act_shape(spec, config_, dims_));
+}
+
+void LlamaStep::free_layer(LayerState& state, bool keep_input) {
+  // Free in reverse order of allocation: the first-fit arena then reuses the space cleanly.
+  for (int p = kNumProjections - 1; p >= 0; --p)
+    if (!state.lora_u[p].empty()) memory_.free(state.lora_u[p]), state.lora_u[p] = Tensor{};
+  for (int i = kNumActs - 1; i >= 0; --i) {
+    if (i == static_cast<int>(Act::layer_input) && keep_input) continue;
+    if (!state.acts[i].empty()) memory_.free(state.acts[i]), state.acts[i] = Tensor{};
+  }
+}
+
+Tensor LlamaStep::lora_input_projection(int layer, Projection p, const Tensor& x,
+                                        MemCategory u_category, uint64_t dropout_seed,
+                                        bool training) {
+  const LoraTensors* adapter = lora_.find(layer, p);
+  const std::string u_name = fmt::format("layers.{}.{}.lora_u", layer, projection_name(p));
+  Tensor u = memory_.alloc(u_name, u_category, options_.compute_dtype, Shape{tokens_, lora_.config().r});
+  if (training && lora_dropout_ > 0.0f) {
+    Tensor dropped = memory_.alloc(u_name + ".dropped_x", MemCategory::transient_activations,
+                                   x.dtype, x.shape);
+    backend_.dropout(dropped, x, lora_dropout_, dropout_hash(dropout_seed, layer * 8 + static_cast<int>(p)));
+    backend_.matmul(u, dropped, false, adapter->a_compute, true, 1.0f, 0.0f);
+    memory_.free(dropped);
+  } else {
+    backend_.matmul(u, x, false, adapter->a_compute, true, 1.0f, 0.0f);
+  }
+  return u;
+}
+
+void LlamaStep::linear_forward(int layer, Projection p, const Tensor& x, const Tensor& y,
+                               Tensor* lora_u, MemCategory u_category, uint64_t dropout_seed,
+                               bool training) {
+  backend_.matmul(y, x, false, weights_.layers[layer].projections[static_cast<int>(p)], true,
+                  1.0f, 0.0f);
+  const LoraTensors* adapter = lora_.find(layer, p);
+  if (adapter == nullptr) return;
+  Tensor u = lora_input_projection(layer, p, x, u_category, dropout_seed, training);
+  backend_.matmul(y, u, false, adapter->b_compute, true, lora_scale_, 1.0f);
+  if (lora_u != nullptr) *lora_u = u;
+  else memory_.free(u);
+}
+
+void LlamaStep::linear_backward(int layer, Projection p, const Tensor& dy, const Tensor& x,
+                                const Tensor& lora_u, const Tensor& dx, bool accumulate,
+                                uint64_t dropout_seed) {
+  backend_.matmul(dx, dy, false, weights_.layers[layer].projections[static_cast<int>(p)], false,
+                  1.0f, accumulate ? 1.0f : 0.0f);
+  const LoraTensors* adapter = lora_.find(layer, p);
+  if (adapter == nullptr) return;
+  const std::string name = fmt::format("layers.{}.{}", layer, projection_name(p));
+  backend_.matmul(adapter->grad_b, dy, true, lora_u, false, lora_scale_, 1.0f);
+  Tensor du = memory_.alloc(name + ".d_lora_u", MemCategory::transient_activations,
+                            options_.compute_dtype, lora_u.shape);
+  backend_.matmul(du, dy, false, adapter->b_compute, false, lora_scale_, 0.0f);
+  if (lora_dropout_ > 0.0f) {
+    const uint64_t seed = dropout_hash(dropout_seed, layer * 8 + static_cast<int>(p));
+    Tensor dropped = memory_.alloc(name + ".dropped_x", MemCategory::transient_activations,
+                                   x.dtype, x.shape);
+    backend_.dropout(dropped, x, lora_dropout_, seed);
+    backend_.matmul(adapter->grad_a, du, true, dropped, false, 1.0f, 1.0f);
+    // The same buffer now takes du A, masked and rescaled like the forward's input.
+    backend_.matmul(dropped, du, false, adapter->a_compute, false, 1.0f, 0.0f);
+    backend_.dropout(dropped, dropped, lora_dropout_, seed);
+    backend_.add(dx, dx, dropped);
+    memory_.free(dropped);
+  } else {
+    backend_.matmul(adapter->grad_a, du, true, x, false, 1.0f, 1.0f);
+    backend_.matmul(dx, du, false, adapter->a_compute, false, 1.0f, 1.0f);
+  }
+  memory_.free(du);
+}
+
+Tensor LlamaStep::layer_forward(int layer, LayerState& s, bool recompute, uint64_t dropout_seed,
+                                bool training) {
+  const MemCategory keep = training ? saved_category(recompute) : MemCategory::transient_activations;
+  const LayerWeights& w = weights_.layers[layer];
+  LayerActs& a = s.acts;
+  auto act = [&](Act id) -> Tensor& { return a[static_cast<int>(id)]; };
+  auto lora_u = [&](Projection p) { return training ? &s.lora_u[static_cast<int>(p)] : nullptr; };
+  const float eps = static_cast<float>(config_.rms_norm_eps);
+  const AttentionDims dims = attention_dims();
+
+  act(Act::norm1_out) = alloc_act(Act::norm1_out, layer, keep);
+  act(Act::norm1_rstd) = alloc_act(Act::norm1_rstd, layer, keep);
+  backend_.rmsnorm_forward(act(Act::norm1_out), act(Act::norm1_rstd), act(Act::layer_input),
+                           w.input_norm, eps);
+  act(Act::q) = alloc_act(Act::q, layer, keep);
+  act(Act::k) = alloc_act(Act::k, layer, keep);
+  act(Act::v) = alloc_act(Act::v, layer, keep);
+  linear_forward(layer, Projection::q, act(Act::norm1_out), act(Act::q), lora_u(Projection::q), keep, dropout_seed, training);
+  linear_forward(layer, Projection::k, act(Act::norm1_out), act(Act::k), lora_u(Projection::k), keep, dropout_seed, training);
+  linear_forward(layer, Projection::v, act(Act::norm1_out), act(Act::v), lora_u(Projection::v), keep, dropout_seed, training);
+  backend_.rope_forward(act(Act::q), batch_.positions, inv_freq_, config_.head_dim);
+  backend_.rope_forward(act(Act::k), batch_.positions, inv_freq_, config_.head_dim);
+
+  act(Act::attn_out) = alloc_act(Act::attn_out, layer, keep);
+  if (options_.attention == AttentionImpl::eager) {
+    act(Act::attn_probs) = alloc_act(Act::attn_probs, layer, keep);
+    Tensor scores = memory_.alloc(fmt::format("layers.{}.attn_scores", layer),
+                                  MemCategory::attention_scratch, options_.compute_dtype,
+                                  act(Act::attn_probs).shape);
+    backend_.attention_eager_forward(act(Act::attn_out), act(Act::attn_probs), scores, act(Act::q),
+                                     act(Act::k), act(Act::v), batch_.segments, dims);
+    memory_.free(scores);
+  } else {
+    act(Act::attn_lse) = alloc_act(Act::attn_lse, layer, keep);
+    backend_.attention_flash_forward(act(Act::attn_out), act(Act::attn_lse), act(Act::q),
+                                     act(Act::k), act(Act::v), batch_.segments, dims);
+  }
+  act(Act::mid) = alloc_act(Act::mid, layer, keep);
+  linear_forward(layer, Projection::o, act(Act::attn_out), act(Act::mid), lora_u(Projection::o), keep, dropout_seed, training);
+  backend_.add(act(Act::mid), act(Act::mid), act(Act::layer_input));
+
+  act(Act::norm2_out) = alloc_act(Act::norm2_out, layer, keep);
+  act(Act::norm2_rstd) = alloc_act(Act::norm2_rstd, layer, keep);
+  backend_.rmsnorm_forward(act(Act::norm2_out), act(Act::norm2_rstd), act(Act::mid), w.post_norm, eps);
+  act(Act::gate) = alloc_act(Act::gate, layer, keep);
+  act(Act::up) = alloc_act(Act::up, layer, keep);
+  linear_forward(layer, Projection::gate, act(Act::norm2_out), act(Act::gate), lora_u(Projection::gate), keep, dropout_seed, training);
+  linear_forward(layer, Projection::up, act(Act::norm2_out), act(Act::up), lora_u(Projection::up), keep, dropout_seed, training);
+  act(Act::swiglu_out) = alloc_act(Act::swiglu_out, layer, keep);
+  backend_.swiglu_forward(act(Act::swiglu_out), act(Act::gate), act(Act::up));
+
+  // The layer output is the next layer's input: saved whenever training, also under
+  // checkpointing. A recompute produces nothing new (its output already exists).
+  if (recompute) {
+    // The output already exists; the backward needs only the down projection's LoRA input.
+    if (lora_.find(layer, Projection::down) != nullptr)
+      s.lora_u[static_cast<int>(Projection::down)] =
+          lora_input_projection(layer, Projection::down, act(Act::swiglu_out), keep, dropout_seed, training);
+    return Tensor{};
+  }
+  const MemCategory out_category = training ? MemCategory::saved_activations : MemCategory::transient_activations;
+  Tensor out = memory_.alloc(fmt::format("layers.{}.layer_input", layer + 1), out_category,
+                             options_.compute_dtype, Shape{tokens_, config_.hidden_size});
+  linear_forward(layer, Projection::down, act(Act::swiglu_out), out, lora_u(Projection::down), keep, dropout_seed, training);
+  backend_.add(out, out, act(Act::mid));
+  return out;
+}
+
+void LlamaStep::layer_backward(int layer, LayerState& s, const Tensor& d_resid, uint64_t seed) {
+  const LayerWeights& w = weights_.layers[layer];
+  LayerActs& a = s.acts;
+  auto act = [&](Act id) -> Tensor& { return a[static_cast<int>(id)]; };
+  auto lora_u = [&](Projection p) { return s.lora_u[static_cast<int>(p)]; };
+  const std::string prefix = fmt::format("layers.{}.", layer);
+  const MemCategory transient = MemCategory::transient_activations;
+  const DType cd = options_.compute_dtype;
+  const AttentionDims dims = attention_dims();
+
+  // MLP. d_resid is the grad of the layer output, which is also the grad of the down proj.
+  Tensor d_swiglu = memory_.alloc(prefix + "d_swiglu", transient, cd, act(Act::swiglu_out).shape);
+  linear_backward(layer, Projection::down, d_resid, act(Act::swiglu_out), lora_u(Projection::down), d_swiglu, false, seed);
+  // gate/up are not needed after this: their grads overwrite them in place.
+  backend_.swiglu_backward(act(Act::gate), act(Act::up), d_swiglu, act(Act::gate), act(Act::up));
+  memory_.free(d_swiglu);
+  Tensor d_norm2 = memory_.alloc(prefix + "d_norm2", transient, cd, act(Act::norm2_out).shape);
+  linear_backward(layer, Projection::gate, act(Act::gate), act(Act::norm2_out), lora_u(Projection::gate), d_norm2, false, seed);
+  linear_backward(layer, Projection::up, act(Act::up), act(Act::norm2_out), lora_u(Projection::up), d_norm2, true, seed);
+  backend_.rmsnorm_backward(d_resid, d_norm2, act(Act::mid), w.post_norm, act(Act::norm2_rstd), true);
+  memory_.free(d_norm2);
+
+  // Attention. d_resid is now the grad of mid, and so of the o projection's output.
+  Tensor d_attn = memory_.alloc(prefix + "d_attn_out", transient, cd, act(Act::attn_out).shape);
+  linear_backward(layer, Projection::o, d_resid, act(Act::attn_out), lora_u(Projection::o), d_attn, false, seed);
+  Tensor dq = memory_.alloc(prefix + "dq", transient, cd, act(Act::q).shape);
+  Tensor dk = memory_.alloc(prefix + "dk", transient, cd, act(Act::k).shape);
+  Tensor dv = memory_.alloc(prefix + "dv", transient, cd, act(Act::v).shape);
+  if (options_.attention == AttentionImpl::eager) {
+    Tensor dprobs = memory_.alloc(prefix + "attn_dprobs", MemCategory::attention_scratch, cd,
+                                  act(Act::attn_probs).shape);
+    backend_.attention_eager_backward(dq, dk, dv, dprobs, d_attn, act(Act::attn_probs), act(Act::q),
+                                      act(Act::k), act(Act::v), batch_.segments, dims);
+    memory_.free(dprobs);
+  } else {
+    Tensor delta = memory_.alloc(prefix + "attn_delta", MemCategory::attention_scratch, DType::f32,
+                                 act(Act::attn_lse).shape);
+    Tensor dq_accum = memory_.alloc(prefix + "attn_dq_accum", MemCategory::attention_scratch,
+                                    DType::f32, act(Act::q).shape);
+    backend_.attention_flash_backward(dq, dk, dv, delta, dq_accum, d_attn, act(Act::attn_out),
+                                      act(Act::attn_lse), act(Act::q), act(Act::k), act(Act::v),
+                                      batch_.segments, dims);
+    memory_.free(dq_accum);
+    memory_.free(delta);
+  }
+  memory_.free(d_attn);
+  backend_.rope_backward(dq, batch_.positions, inv_freq_, config_.head_dim);
+  backend_.rope_backward(dk, batch_.positions, inv_freq_, config_.head_dim);
+  Tensor d_norm1 = memory_.alloc(prefix + "d_norm1", transient, cd, act(Act::norm1_out).shape);
+  linear_backward(layer, Projection::q, dq, act(Act::norm1_out), lora_u(Projection::q), d_norm1, false, seed);
+  linear_backward(layer, Projection::k, dk, act(Act::norm1_out), lora_u(Projection::k), d_norm1, true, seed);
+  linear_backward(layer, Projection::v, dv, act(Act::norm1_out), lora_u(Projection::v), d_norm1, true, seed);
+  memory_.free(dv);
+  memory_.free(dk);
+  memory_.free(dq);
+  backend_.rmsnorm_backward(d_resid, d_norm1, act(Act::layer_input), w.input_norm, act(Act::norm1_rstd), true);
+  memory_.free(d_norm1);
+}
+
+void LlamaStep::loss_and_head(const Tensor& last_hidden, float loss_grad_scale, const Tensor* d_resid) {
+  const DType cd = options_.compute_dtype;
+  const int64_t vocab = config_.vocab_size;
+  Tensor normed = memory_.alloc("final_norm.out", MemCategory::transient_activations, cd, last_hidden.shape);
+  Tensor rstd = memory_.alloc("final_norm.rstd", MemCategory::transient_activations, DType::f32, Shape{tokens_});
+  backend_.rmsnorm_forward(normed, rstd, last_hidden, weights_.final_norm, static_cast<float>(config_.rms_norm_eps));
+  Tensor d_normed;
+  if (d_resid != nullptr)
+    d_normed = memory_.alloc("final_norm.d_out", MemCategory::transient_activations, cd, last_hidden.shape);
+  const int64_t chunk = options_.loss == LossImpl::full ? tokens_ : std::min(tokens_, options_.loss_chunk_tokens);
+  for (int64_t begin = 0; begin < tokens_; begin += chunk) {
+    const int64_t end = std::min(tokens_, begin + chunk);
+    const Tensor targets = batch_.targets.slice_rows(begin, end);
+    // fp32 logits of this chunk, as HF's logits.float() (the whole batch when loss == full).
+    Tensor logits = memory_.alloc("loss.logits_f32", MemCategory::logits_loss, DType::f32, Shape{end - begin, vocab});
+    backend_.matmul(logits, normed.slice_rows(begin, end), false, weights_.lm_head, true, 1.0f, 0.0f);
+    if (d_resid == nullptr) {
+      backend_.cross_entropy_forward(loss_sum_, logits, targets);
+      memory_.free(logits);
+      continue;
+    }
+    backend_.cross_entropy_forward_backward(loss_sum_, logits, logits, targets, loss_grad_scale);
+    Tensor d_logits = logits;
+    if (cd != DType::f32) {
+      d_logits = memory_.alloc("loss.d_logits", MemCategory::logits_loss, cd, logits.shape);
+      backend_.convert(d_logits, logits);
+    }
+    backend_.matmul(d_normed.slice_rows(begin, end), d_logits, false, weights_.lm_head, false, 1.0f, 0.0f);
+    if (cd != DType::f32) memory_.free(d_logits);
+    memory_.free(logits);
+  }
+  memory_.free(normed);
+  if (d_resid != nullptr) {
+    backend_.rmsnorm_backward(*d_resid, d_normed, last_hidden, weights_.final_norm, rstd, false);
+    memory_.free(d_normed);
+  }
+  memory_.free(rstd);
+}
+
+void LlamaStep::forward_backward(float loss_grad_scale, uint64_t dropout_seed) {
+  const int layers = static_cast<int>(config_.num_hidden_layers);
+  std::vector<LayerState> states(layers);
+  Tensor x = memory_.alloc("layers.0.layer_input", MemCategory::saved_activations,
+                           options_.compute_dtype, Shape{tokens_, config_.hidden_size});
+  backend_.embedding_forward(x, weights_.embed_tokens, batch_.input_ids);
+  for (int l = 0; l < layers; ++l) {
+    states[l].acts[static_cast<int>(Act::layer_input)] = x;
+    x = layer_forward(l, states[l], false, dropout_seed, true);
+    if (options_.gradient_checkpointing) free_layer(states[l], /*keep_input=*/true);
+  }
+  Tensor d_resid = memory_.alloc("d_residual", MemCategory::transient_activations,
+                                 options_.compute_dtype, x.shape);
+  loss_and_head(x, loss_grad_scale, &d_resid);
+  memory_.free(x);
+  for (int l = layers - 1; l >= 0; --l) {
+    if (options_.gradient_checkpointing) layer_forward(l, states[l], true, dropout_seed, true);
+    layer_backward(l, states[l], d_resid, dropout_seed);
+    free_layer(states[l], /*keep_input=*/false);
+  }
+  memory_.free(d_resid);
+}
+
+void LlamaStep::forward_loss() {
+  const int layers = static_cast<int>(config_.num_hidden_layers);
+  Tensor x = memory_.alloc("layers.0.layer_input", MemCategory::transient_activations,
+                           options_.compute_dtype, Shape{tokens_, config_.hidden_size});
+  backend_.embedding_forward(x, weights_.embed_tokens, batch_.input_ids);
+  for (int l = 0; l < layers; ++l) {
+    LayerState state;
+    state.acts[static_cast<int>(Act::layer_input)] = x;
+    Tensor out = layer_forward(l, state, false, 0, false);
+    free_layer(state, /*keep_input=*/false);
+    x = out;
+  }
+  loss_and_head(x, 0.0f, nullptr);
+  memory_.free(x);
+}
+
+}  // namespace memtune

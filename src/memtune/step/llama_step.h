@@ -1,0 +1,103 @@
+// The Llama training step as calls on the op interface, with a hand-written backward.
+//
+// Per layer (pre-norm residual blocks, SPECS.md §4), N = batch * seq tokens:
+//   h1 = rmsnorm(x, w_in); q, k, v = h1 W^T (+ LoRA); rope(q, k); a = attention(q, k, v)
+//   mid = x + a W_o^T (+ LoRA)
+//   h2 = rmsnorm(mid, w_post); g, u = h2 W^T (+ LoRA); s = silu(g) * u
+//   out = mid + s W_down^T (+ LoRA)
+// LoRA on a projection with input x: y += scale * (drop(x) A^T) B^T, saving u = drop(x) A^T.
+// Chain rule for y = x W^T + scale * u B^T, u = drop(x) A^T, given dy:
+//   dB += scale * dy^T u;   du = scale * dy B;   dA += du^T drop(x);   dx = dy W + drop'(du A)
+// rmsnorm: y = w * x r, r = rsqrt(mean(x^2) + eps): dx = r (w dy) - x r^3 mean(x w dy)
+// swiglu:  s = g sigmoid(g) u: dg = ds u sigmoid(g) (1 + g (1 - sigmoid(g))), du = ds silu(g)
+// The loss fuses the LM head with cross-entropy over chunks of tokens (full = one chunk).
+#pragma once
+
+#include <array>
+#include <vector>
+
+#include "memtune/core/memory.h"
+#include "memtune/lora/lora_state.h"
+#include "memtune/model/model_weights.h"
+#include "memtune/ops/backend.h"
+#include "memtune/step/activations.h"
+
+namespace memtune {
+
+enum class AttentionImpl : uint8_t { eager, flash };
+enum class LossImpl : uint8_t { full, chunked };
+
+struct StepOptions {
+  DType compute_dtype = DType::f32;  // activations and the frozen base
+  AttentionImpl attention = AttentionImpl::eager;
+  LossImpl loss = LossImpl::full;
+  int64_t loss_chunk_tokens = 512;   // for LossImpl::chunked
+  bool gradient_checkpointing = false;  // save layer inputs only; recompute in backward
+  int64_t micro_batch = 1, seq = 0;
+};
+
+// The device buffers of one micro-batch; the host fills them before each call.
+struct MicroBatchBuffers {
+  Tensor input_ids;  // i32 [N]
+  Tensor targets;    // i32 [N]: the label of the NEXT position (-100 = ignored)
+  Tensor positions;  // i32 [N]: rope positions (reset at packed-sample boundaries)
+  Tensor segments;   // i32 [N]: packed-sample id per token
+};
+
+class LlamaStep {
+ public:
+  LlamaStep(Backend& backend, Memory& memory, const LlamaConfig& config,
+            const StepOptions& options, const ModelWeights& weights, const LoraState& lora);
+
+  const MicroBatchBuffers& batch() const { return batch_; }
+  // Forward, loss and backward of one micro-batch. Adds the loss sum (sum of token losses) to
+  // loss_sum() and adds d(loss_grad_scale * loss_sum)/d(adapter) to the adapter grads.
+  void forward_backward(float loss_grad_scale, uint64_t dropout_seed);
+  // Forward and loss only (eval): loss_sum() += sum of token losses.
+  void forward_loss();
+  const Tensor& loss_sum() const { return loss_sum_; }
+  const StepOptions& options() const { return options_; }
+
+ private:
+  using LayerActs = std::array<Tensor, kNumActs>;
+  using LoraActs = std::array<Tensor, kNumProjections>;
+  struct LayerState {
+    LayerActs acts;
+    LoraActs lora_u;
+  };
+
+  Tensor alloc_act(Act id, int layer, MemCategory category);
+  void free_layer(LayerState& state, bool keep_input);
+  MemCategory saved_category(bool recompute) const;
+  // Runs layer `layer` on state.acts[layer_input]; returns the layer output (allocated saved).
+  Tensor layer_forward(int layer, LayerState& state, bool recompute, uint64_t dropout_seed,
+                       bool training);
+  void layer_backward(int layer, LayerState& state, const Tensor& d_resid, uint64_t dropout_seed);
+  // u = drop(x) A^T for the adapter on (layer, p).
+  Tensor lora_input_projection(int layer, Projection p, const Tensor& x, MemCategory u_category,
+                               uint64_t dropout_seed, bool training);
+  void linear_forward(int layer, Projection p, const Tensor& x, const Tensor& y, Tensor* lora_u,
+                      MemCategory u_category, uint64_t dropout_seed, bool training);
+  void linear_backward(int layer, Projection p, const Tensor& dy, const Tensor& x,
+                       const Tensor& lora_u, const Tensor& dx, bool accumulate,
+                       uint64_t dropout_seed);
+  // Final norm + LM head + cross-entropy; with d_resid given, also its backward into it.
+  void loss_and_head(const Tensor& last_hidden, float loss_grad_scale, const Tensor* d_resid);
+  AttentionDims attention_dims() const;
+
+  Backend& backend_;
+  Memory& memory_;
+  const LlamaConfig& config_;
+  StepOptions options_;
+  const ModelWeights& weights_;
+  const LoraState& lora_;
+  ActDims dims_;
+  int64_t tokens_;
+  float lora_scale_;
+  float lora_dropout_;
+  Tensor inv_freq_;  // f32 [head_dim / 2]
+  Tensor loss_sum_;  // f32 [1]
+  MicroBatchBuffers batch_;
+};
+
+}  // namespace memtune

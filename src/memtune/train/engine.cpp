@@ -1,0 +1,241 @@
+#include "memtune/train/engine.h"
+
+#include <chrono>
+#include <cmath>
+#include <fstream>
+
+#include "memtune/core/error.h"
+#include "memtune/io/file_util.h"
+#include "memtune/io/json_util.h"
+#include "memtune/io/safetensors.h"
+
+namespace memtune {
+
+int64_t HostMicroBatch::valid_targets() const {
+  int64_t count = 0;
+  for (int32_t t : targets) count += t != -100;
+  return count;
+}
+
+Engine::Engine(Backend& backend, void* arena, uint64_t arena_bytes, const RunConfig& run,
+               const LlamaConfig& model)
+    : backend_(backend),
+      run_(run),
+      model_(model),
+      memory_(backend.device(), arena, arena_bytes),
+      weights_(ModelWeights::allocate(memory_, model_, precision_dtype(run.precision))),
+      lora_(LoraState::allocate(memory_, model_, run.lora_config(), precision_dtype(run.precision),
+                                /*with_optimizer=*/true)),
+      grad_norm_sq_(memory_.alloc("optimizer.grad_norm_sq", MemCategory::workspace, DType::f32, Shape{1})),
+      step_(backend_, memory_, model_, run.step_options(), weights_, lora_) {}
+
+void Engine::init_random_weights(uint64_t seed) { weights_.init_random(backend_, model_, seed); }
+
+void Engine::init_adapters(uint64_t seed) {
+  lora_.init_peft(backend_, seed);
+  lora_.zero_optimizer(backend_);
+}
+
+namespace {
+
+// Converts a checkpoint tensor (F32/F16/BF16) into `dst`'s dtype on the host, then copies.
+void upload_converted(Backend& backend, const Tensor& dst, const SafetensorsTensor& src) {
+  const int64_t n = dst.numel();
+  if (src.dtype == dst.dtype) {
+    backend.copy_from_host(dst, src.data);  // safetensors data may be unaligned: copy is bytewise
+    return;
+  }
+  std::vector<uint8_t> converted(dst.nbytes());
+  std::vector<uint8_t> aligned(src.nbytes);
+  std::memcpy(aligned.data(), src.data, src.nbytes);
+  for (int64_t i = 0; i < n; ++i)
+    store_from_f32(converted.data(), dst.dtype, i, load_as_f32(aligned.data(), src.dtype, i));
+  backend.copy_from_host(dst, converted.data());
+}
+
+}  // namespace
+
+void Engine::load_base_checkpoint(const std::filesystem::path& checkpoint_path) {
+  const SafetensorsCheckpoint checkpoint = SafetensorsCheckpoint::open(checkpoint_path);
+  for (size_t i = 0; i < weights_.table.size(); ++i) {
+    const ParamSpec& spec = weights_.table[i];
+    const SafetensorsTensor& t = expect_tensor(checkpoint, spec.hf_key,
+                                               {DType::f32, DType::f16, DType::bf16}, spec.shape);
+    upload_converted(backend_, weights_.tensors[i], t);
+  }
+}
+
+void Engine::load_adapter(const std::filesystem::path& adapter_dir) {
+  const SafetensorsCheckpoint adapter =
+      SafetensorsCheckpoint::open(adapter_dir, "adapter_model.safetensors");
+  for (size_t i = 0; i < lora_.specs().size(); ++i) {
+    const LoraSpec& spec = lora_.specs()[i];
+    const LoraTensors& t = lora_.tensors()[i];
+    upload_converted(backend_, t.a, expect_tensor(adapter, spec.a_key, {DType::f32, DType::f16, DType::bf16}, spec.a_shape));
+    upload_converted(backend_, t.b, expect_tensor(adapter, spec.b_key, {DType::f32, DType::f16, DType::bf16}, spec.b_shape));
+  }
+  lora_.sync_compute_copies(backend_);
+  lora_.zero_optimizer(backend_);
+}
+
+void Engine::save_adapter(const std::filesystem::path& dir, const std::string& base_model) const {
+  std::filesystem::create_directories(dir);
+  std::vector<std::vector<uint8_t>> host;
+  std::vector<SafetensorsWriteEntry> entries;
+  host.reserve(lora_.specs().size() * 2);
+  for (size_t i = 0; i < lora_.specs().size(); ++i) {
+    const LoraSpec& spec = lora_.specs()[i];
+    const LoraTensors& t = lora_.tensors()[i];
+    for (const auto& [key, tensor] : {std::pair{spec.a_key, t.a}, std::pair{spec.b_key, t.b}}) {
+      host.emplace_back(tensor.nbytes());
+      backend_.copy_to_host(host.back().data(), tensor);
+      entries.push_back({key, DType::f32, tensor.shape, host.back().data()});
+    }
+  }
+  write_safetensors(dir / "adapter_model.safetensors", entries, {{"format", "pt"}});
+  const LoraConfig& lc = lora_.config();
+  nlohmann::json targets = nlohmann::json::array();
+  for (Projection p : lc.targets) targets.push_back(std::string(projection_name(p)));
+  const nlohmann::json config = {
+      {"peft_type", "LORA"}, {"task_type", "CAUSAL_LM"}, {"r", lc.r}, {"lora_alpha", lc.alpha},
+      {"lora_dropout", lc.dropout}, {"target_modules", targets}, {"bias", "none"},
+      {"use_rslora", lc.use_rslora}, {"base_model_name_or_path", base_model},
+      {"fan_in_fan_out", false}, {"inference_mode", true}, {"init_lora_weights", true},
+      {"modules_to_save", nullptr}, {"use_dora", false}};
+  write_file_atomic(dir / "adapter_config.json", config.dump(2) + "\n");
+}
+
+void Engine::upload(const HostMicroBatch& batch) {
+  const MicroBatchBuffers& b = step_.batch();
+  const size_t n = static_cast<size_t>(b.input_ids.numel());
+  MT_ASSERT(batch.input_ids.size() == n && batch.targets.size() == n &&
+            batch.positions.size() == n && batch.segments.size() == n,
+            "micro-batch of {} tokens for a step of {}", batch.input_ids.size(), n);
+  if (backend_.device() == Device::meta) return;
+  for (int32_t id : batch.input_ids)
+    MT_USER_CHECK(id >= 0 && id < model_.vocab_size, "token id {} is outside the vocabulary of {} ids", id, model_.vocab_size);
+  for (int32_t t : batch.targets)
+    MT_USER_CHECK(t == -100 || (t >= 0 && t < model_.vocab_size), "label {} is outside the vocabulary of {} ids", t, model_.vocab_size);
+  backend_.copy_from_host(b.input_ids, batch.input_ids.data());
+  backend_.copy_from_host(b.targets, batch.targets.data());
+  backend_.copy_from_host(b.positions, batch.positions.data());
+  backend_.copy_from_host(b.segments, batch.segments.data());
+}
+
+StepReport Engine::train_step(const std::vector<HostMicroBatch>& micro_batches) {
+  StepReport report;
+  int64_t valid = 0;
+  for (const HostMicroBatch& mb : micro_batches) valid += mb.valid_targets();
+  const bool meta = backend_.device() == Device::meta;
+  MT_USER_CHECK(meta || valid > 0, "every label of this optimizer step is masked (-100): nothing to learn from");
+  const double denominator = static_cast<double>(std::max<int64_t>(valid, 1));
+  const bool fp16 = run_.precision == Precision::fp16;
+  const double loss_scale = fp16 ? scaler_.scale : 1.0;
+
+  lora_.zero_grads(backend_);
+  backend_.fill(step_.loss_sum(), 0.0f);
+  const uint64_t seed = dropout_hash(run_.seed, static_cast<uint64_t>(steps_done_));
+  for (size_t m = 0; m < micro_batches.size(); ++m) {
+    upload(micro_batches[m]);
+    step_.forward_backward(static_cast<float>(loss_scale / denominator), dropout_hash(seed, m));
+    report.tokens += static_cast<int64_t>(micro_batches[m].input_ids.size());
+  }
+  report.loss = backend_.read_scalar(step_.loss_sum()) / denominator;
+
+  backend_.fill(grad_norm_sq_, 0.0f);
+  for (const LoraTensors& t : lora_.tensors()) {
+    backend_.sum_squares(grad_norm_sq_, t.grad_a);
+    backend_.sum_squares(grad_norm_sq_, t.grad_b);
+  }
+  const double scaled_norm = std::sqrt(static_cast<double>(backend_.read_scalar(grad_norm_sq_)));
+  if (!std::isfinite(scaled_norm)) {
+    // fp16 overflow (or a NaN anywhere): skip the update and back off, as GradScaler does.
+    report.skipped = true;
+    report.grad_norm = scaled_norm;
+    if (fp16) {
+      scaler_.scale *= LossScalerState::kBackoff;
+      scaler_.good_steps = 0;
+      ++scaler_.skipped_steps;
+    }
+    ++steps_done_;
+    return report;
+  }
+  report.grad_norm = scaled_norm / loss_scale;
+  double clip = 1.0;
+  if (run_.max_grad_norm > 0) clip = std::min(1.0, run_.max_grad_norm / (report.grad_norm + 1e-6));
+  report.learning_rate = learning_rate_at(run_, steps_done_);
+  AdamWParams params;
+  params.lr = static_cast<float>(report.learning_rate);
+  params.beta1 = static_cast<float>(run_.adam_beta1);
+  params.beta2 = static_cast<float>(run_.adam_beta2);
+  params.eps = static_cast<float>(run_.adam_epsilon);
+  params.weight_decay = static_cast<float>(run_.weight_decay);
+  params.step = steps_done_ + 1 - scaler_.skipped_steps;
+  params.grad_scale = static_cast<float>(clip / loss_scale);
+  for (const LoraTensors& t : lora_.tensors()) {
+    backend_.adamw_step(t.a, t.grad_a, t.exp_avg_a, t.exp_avg_sq_a, params);
+    backend_.adamw_step(t.b, t.grad_b, t.exp_avg_b, t.exp_avg_sq_b, params);
+  }
+  lora_.sync_compute_copies(backend_);
+  if (fp16 && ++scaler_.good_steps >= LossScalerState::kGrowthInterval) {
+    scaler_.scale *= LossScalerState::kGrowth;
+    scaler_.good_steps = 0;
+  }
+  ++steps_done_;
+  return report;
+}
+
+std::pair<double, int64_t> Engine::eval_loss_sum(const HostMicroBatch& batch) {
+  upload(batch);
+  backend_.fill(step_.loss_sum(), 0.0f);
+  step_.forward_loss();
+  return {backend_.read_scalar(step_.loss_sum()), batch.valid_targets()};
+}
+
+Plan plan_run(const RunConfig& run, const LlamaConfig& model) {
+  const auto start = std::chrono::steady_clock::now();
+  std::unique_ptr<Backend> meta = make_meta_backend();
+  Engine engine(*meta, nullptr, 0, run, model);
+  const int64_t n = run.per_device_train_batch_size * run.max_seq_length;
+  HostMicroBatch batch;
+  batch.input_ids.assign(n, 0);
+  batch.targets.assign(n, 0);
+  batch.positions.assign(n, 0);
+  batch.segments.assign(n, 0);
+  // One micro-batch is enough: the accumulation repeats the same allocations.
+  engine.train_step({batch});
+  engine.eval_loss_sum(batch);
+  Plan plan;
+  const LifetimeAllocator& a = engine.memory().allocator();
+  plan.records = engine.memory().records();
+  plan.arena_bytes = a.high_water();
+  plan.peak_live_bytes = a.peak_live_bytes();
+  plan.at_peak = a.at_peak_by_category();
+  plan.max_by_category = a.max_by_category();
+  plan.trainable_parameters = engine.lora().parameter_count();
+  plan.frozen_parameters = engine.weights().parameter_count();
+  plan.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return plan;
+}
+
+HostMicroBatch make_micro_batch(const std::vector<std::vector<int32_t>>& input_ids,
+                                const std::vector<std::vector<int32_t>>& labels, int64_t seq,
+                                int32_t pad_id) {
+  MT_ASSERT(input_ids.size() == labels.size());
+  HostMicroBatch b;
+  const size_t rows = input_ids.size();
+  b.input_ids.assign(rows * seq, pad_id);
+  b.targets.assign(rows * seq, -100);
+  b.positions.resize(rows * seq);
+  b.segments.assign(rows * seq, 0);
+  for (size_t r = 0; r < rows; ++r) {
+    const int64_t len = std::min<int64_t>(seq, static_cast<int64_t>(input_ids[r].size()));
+    MT_ASSERT(labels[r].size() == input_ids[r].size());
+    for (int64_t t = 0; t < seq; ++t) b.positions[r * seq + t] = static_cast<int32_t>(t);
+    for (int64_t t = 0; t < len; ++t) b.input_ids[r * seq + t] = input_ids[r][t];
+    for (int64_t t = 0; t + 1 < len; ++t) b.targets[r * seq + t] = labels[r][t + 1];
+  }
+  return b;
+}
+
+}  // namespace memtune

@@ -1,0 +1,101 @@
+// The engine of one run on one device: memory, frozen weights, adapters, optimizer state and
+// the step, all placed by the same allocator. Constructed on the meta backend it is the
+// planner: plan_run() builds it and runs one optimizer step there.
+#pragma once
+
+#include <filesystem>
+#include <memory>
+#include <vector>
+
+#include "memtune/core/memory.h"
+#include "memtune/lora/lora_state.h"
+#include "memtune/model/model_weights.h"
+#include "memtune/step/llama_step.h"
+#include "memtune/train/run_config.h"
+
+namespace memtune {
+
+// One micro-batch on the host, already shifted: targets[t] is the label of token t + 1.
+struct HostMicroBatch {
+  std::vector<int32_t> input_ids, targets, positions, segments;
+  int64_t valid_targets() const;
+};
+
+struct Plan {
+  std::vector<AllocationRecord> records;
+  uint64_t arena_bytes = 0;        // the arena that the engine allocates (peak offset)
+  uint64_t peak_live_bytes = 0;    // live bytes at the peak (arena minus fragmentation)
+  CategoryBytes at_peak{};         // live bytes per category at the peak (sums to peak_live)
+  CategoryBytes max_by_category{}; // each category's own maximum
+  int64_t trainable_parameters = 0, frozen_parameters = 0;
+  double seconds = 0;              // how long planning took
+};
+
+struct LossScalerState {  // torch.cuda.amp.GradScaler semantics
+  double scale = 65536.0;
+  int64_t good_steps = 0, skipped_steps = 0;
+  static constexpr double kGrowth = 2.0, kBackoff = 0.5;
+  static constexpr int64_t kGrowthInterval = 2000;
+};
+
+struct StepReport {
+  double loss = 0;          // sum of token losses / valid targets of the optimizer step
+  double grad_norm = 0;     // global norm before clipping (unscaled)
+  double learning_rate = 0;
+  int64_t tokens = 0;       // tokens processed (micro-batches x batch x seq)
+  bool skipped = false;     // fp16 overflow: no update
+};
+
+class Engine {
+ public:
+  // Plans when backend is the meta backend (arena null); else runs on the given arena.
+  Engine(Backend& backend, void* arena, uint64_t arena_bytes, const RunConfig& run,
+         const LlamaConfig& model);
+
+  Memory& memory() { return memory_; }
+  const ModelWeights& weights() const { return weights_; }
+  LoraState& lora() { return lora_; }
+  const LlamaConfig& model() const { return model_; }
+  const RunConfig& run() const { return run_; }
+  Backend& backend() { return backend_; }
+
+  void init_random_weights(uint64_t seed);
+  void load_base_checkpoint(const std::filesystem::path& checkpoint);
+  void init_adapters(uint64_t seed);  // PEFT init
+  // Loads a PEFT adapter folder (adapter_model.safetensors) into the fp32 masters.
+  void load_adapter(const std::filesystem::path& adapter_dir);
+  void save_adapter(const std::filesystem::path& adapter_dir, const std::string& base_model) const;
+
+  // One optimizer step over the given micro-batches (the accumulation), loss normalised by the
+  // valid targets of all of them (transformers >= 4.46).
+  StepReport train_step(const std::vector<HostMicroBatch>& micro_batches);
+  // Sum of token losses and count of valid targets.
+  std::pair<double, int64_t> eval_loss_sum(const HostMicroBatch& batch);
+  const LossScalerState& scaler() const { return scaler_; }
+  int64_t steps_done() const { return steps_done_; }
+
+ private:
+  void upload(const HostMicroBatch& batch);
+
+  Backend& backend_;
+  RunConfig run_;
+  LlamaConfig model_;
+  Memory memory_;
+  ModelWeights weights_;
+  LoraState lora_;
+  Tensor grad_norm_sq_;  // f32 [1]
+  LlamaStep step_;
+  LossScalerState scaler_;
+  int64_t steps_done_ = 0;
+};
+
+// The plan of a run: the engine on the meta backend through one full optimizer step.
+Plan plan_run(const RunConfig& run, const LlamaConfig& model);
+
+// Builds micro-batches of one optimizer step from token sequences (each its own sample):
+// truncated to max_seq_length, right-padded, labels shifted, -100 on padding.
+HostMicroBatch make_micro_batch(const std::vector<std::vector<int32_t>>& input_ids,
+                                const std::vector<std::vector<int32_t>>& labels, int64_t seq,
+                                int32_t pad_id = 0);
+
+}  // namespace memtune

@@ -1,0 +1,82 @@
+#include "memtune/train/run_config.h"
+
+#include <cmath>
+
+#include "memtune/core/error.h"
+
+namespace memtune {
+
+std::string_view precision_name(Precision p) {
+  switch (p) {
+    case Precision::fp32: return "fp32";
+    case Precision::fp16: return "fp16";
+    case Precision::bf16: return "bf16";
+  }
+  return "?";
+}
+
+DType precision_dtype(Precision p) {
+  switch (p) {
+    case Precision::fp16: return DType::f16;
+    case Precision::bf16: return DType::bf16;
+    default: return DType::f32;
+  }
+}
+
+void RunConfig::validate() const {
+  MT_USER_CHECK(attn_implementation == "eager" || attn_implementation == "flash" ||
+                    attn_implementation == "flash_attention_2" || attn_implementation == "sdpa",
+                "attn_implementation '{}' is not one of eager, flash (flash_attention_2)",
+                attn_implementation);
+  MT_USER_CHECK(loss_implementation == "full" || loss_implementation == "chunked",
+                "loss_implementation '{}' is not one of full, chunked", loss_implementation);
+  MT_USER_CHECK(per_device_train_batch_size > 0, "per_device_train_batch_size must be >= 1");
+  MT_USER_CHECK(gradient_accumulation_steps > 0, "gradient_accumulation_steps must be >= 1");
+  MT_USER_CHECK(max_seq_length > 1, "max_seq_length must be >= 2 (a token and its next token)");
+  MT_USER_CHECK(loss_chunk_tokens > 0, "loss_chunk_tokens must be >= 1");
+  MT_USER_CHECK(lora_r > 0, "lora_r must be >= 1");
+  MT_USER_CHECK(lora_alpha > 0, "lora_alpha must be positive");
+  MT_USER_CHECK(lora_dropout >= 0 && lora_dropout < 1, "lora_dropout must be in [0, 1)");
+  MT_USER_CHECK(learning_rate >= 0 && std::isfinite(learning_rate), "learning_rate must be >= 0");
+  MT_USER_CHECK(adam_beta1 >= 0 && adam_beta1 < 1 && adam_beta2 >= 0 && adam_beta2 < 1,
+                "adam betas must be in [0, 1)");
+  MT_USER_CHECK(adam_epsilon > 0, "adam_epsilon must be positive");
+  MT_USER_CHECK(max_steps >= 0, "max_steps must be >= 0");
+  MT_USER_CHECK(warmup_steps >= 0, "warmup_steps must be >= 0");
+  LoraConfig::parse_targets(lora_target_modules);
+}
+
+StepOptions RunConfig::step_options() const {
+  validate();
+  StepOptions o;
+  o.compute_dtype = precision_dtype(precision);
+  o.attention = attn_implementation == "eager" ? AttentionImpl::eager : AttentionImpl::flash;
+  o.loss = loss_implementation == "chunked" ? LossImpl::chunked : LossImpl::full;
+  o.loss_chunk_tokens = loss_chunk_tokens;
+  o.gradient_checkpointing = gradient_checkpointing;
+  o.micro_batch = per_device_train_batch_size;
+  o.seq = max_seq_length;
+  return o;
+}
+
+LoraConfig RunConfig::lora_config() const {
+  LoraConfig l;
+  l.r = lora_r;
+  l.alpha = lora_alpha;
+  l.dropout = lora_dropout;
+  l.use_rslora = use_rslora;
+  l.targets = LoraConfig::parse_targets(lora_target_modules);
+  return l;
+}
+
+double learning_rate_at(const RunConfig& run, int64_t step) {
+  const double base = run.learning_rate;
+  if (step < run.warmup_steps) return base * static_cast<double>(step) / std::max<int64_t>(1, run.warmup_steps);
+  if (run.lr_scheduler_type == LrSchedule::constant) return base;
+  const double progress = static_cast<double>(step - run.warmup_steps) /
+                          std::max<int64_t>(1, run.max_steps - run.warmup_steps);
+  if (run.lr_scheduler_type == LrSchedule::linear) return base * std::max(0.0, 1.0 - progress);
+  return base * std::max(0.0, 0.5 * (1.0 + std::cos(M_PI * progress)));
+}
+
+}  // namespace memtune

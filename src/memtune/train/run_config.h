@@ -1,0 +1,51 @@
+// One validated description of a run, in the Hugging Face / TRL / PEFT option names.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "memtune/lora/lora_config.h"
+#include "memtune/step/llama_step.h"
+
+namespace memtune {
+
+enum class Precision : uint8_t { fp32, fp16, bf16 };
+enum class LrSchedule : uint8_t { constant, linear, cosine };
+
+std::string_view precision_name(Precision p);
+DType precision_dtype(Precision p);
+
+struct RunConfig {
+  std::string model = "tiny";  // preset, folder with config.json, or config .json
+  Precision precision = Precision::fp32;
+  std::string attn_implementation = "eager";  // eager | flash (alias: flash_attention_2, sdpa)
+  std::string loss_implementation = "full";   // full | chunked
+  int64_t loss_chunk_tokens = 512;
+  bool gradient_checkpointing = false;
+  int64_t per_device_train_batch_size = 1;
+  int64_t gradient_accumulation_steps = 1;
+  int64_t max_seq_length = 256;
+  int64_t lora_r = 16;
+  double lora_alpha = 16;
+  double lora_dropout = 0.0;
+  bool use_rslora = false;
+  std::string lora_target_modules = "all-linear";
+  double learning_rate = 2e-4;
+  double weight_decay = 0.0;
+  double adam_beta1 = 0.9, adam_beta2 = 0.999, adam_epsilon = 1e-8;
+  double max_grad_norm = 1.0;  // <= 0: no clipping
+  LrSchedule lr_scheduler_type = LrSchedule::constant;
+  int64_t warmup_steps = 0;
+  int64_t max_steps = 10;
+  uint64_t seed = 42;
+
+  // Resolved from the above; throws memtune::Error on contradictions.
+  StepOptions step_options() const;
+  LoraConfig lora_config() const;
+  void validate() const;
+};
+
+// The learning rate at optimizer step `step` (0-based), as transformers' schedulers give it.
+double learning_rate_at(const RunConfig& run, int64_t step);
+
+}  // namespace memtune
