@@ -74,9 +74,8 @@ Tensor Memory::alloc(std::string name, MemCategory category, DType dtype, Shape 
               "allocation '{}' ({} bytes at {}) exceeds the planned arena of {} bytes", name, bytes,
               offset, arena_bytes_);
   tensor.data = base_ + offset;
-  ++events_;
   live_records_.emplace_back(offset, records_.size());
-  records_.push_back(AllocationRecord{std::move(name), category, offset, bytes, -1});
+  records_.push_back(AllocationRecord{std::move(name), category, offset, bytes, events_++, -1});
   return tensor;
 }
 

@@ -68,7 +68,8 @@ struct AllocationRecord {
   MemCategory category;
   uint64_t offset;
   uint64_t bytes;
-  int64_t freed_at = -1;  // index of the event that freed it; -1: alive at the end
+  int64_t allocated_at = 0;  // index of the event (allocations and frees counted together)
+  int64_t freed_at = -1;     // index of the event that freed it; -1: alive at the end
 };
 
 // The memory of one run on one device: an arena base pointer (null on the meta device) and the

@@ -20,7 +20,7 @@ LlamaStep::LlamaStep(Backend& backend, Memory& memory, const LlamaConfig& config
       lora_scale_(lora.config().scaling()),
       lora_dropout_(static_cast<float>(lora.config().dropout)) {
   MT_ASSERT(options.micro_batch > 0 && options.seq > 0);
-  inv_freq_ = memory_.alloc("rope.inv_freq", MemCategory::frozen_weights, DType::f32,
+  inv_freq_ = memory_.alloc("rope.inv_freq", MemCategory::workspace, DType::f32,
                             Shape{config.head_dim / 2});
   if (memory_.device() != Device::meta) {
     const std::vector<float> inv_freq = rope_inv_freq(config);

@@ -105,6 +105,59 @@ void Engine::save_adapter(const std::filesystem::path& dir, const std::string& b
   write_file_atomic(dir / "adapter_config.json", config.dump(2) + "\n");
 }
 
+void Engine::save_checkpoint(const std::filesystem::path& dir, const std::string& base_model) const {
+  namespace fs = std::filesystem;
+  const fs::path staging = dir.string() + ".partial";
+  fs::remove_all(staging);
+  save_adapter(staging, base_model);
+  std::vector<std::vector<uint8_t>> host;
+  std::vector<SafetensorsWriteEntry> entries;
+  host.reserve(lora_.specs().size() * 4);
+  for (size_t i = 0; i < lora_.specs().size(); ++i) {
+    const LoraSpec& spec = lora_.specs()[i];
+    const LoraTensors& t = lora_.tensors()[i];
+    for (const auto& [key, tensor] :
+         {std::pair{spec.a_key + ".exp_avg", t.exp_avg_a}, std::pair{spec.a_key + ".exp_avg_sq", t.exp_avg_sq_a},
+          std::pair{spec.b_key + ".exp_avg", t.exp_avg_b}, std::pair{spec.b_key + ".exp_avg_sq", t.exp_avg_sq_b}}) {
+      host.emplace_back(tensor.nbytes());
+      backend_.copy_to_host(host.back().data(), tensor);
+      entries.push_back({key, DType::f32, tensor.shape, host.back().data()});
+    }
+  }
+  write_safetensors(staging / "optimizer.safetensors", entries, {{"format", "memtune"}});
+  const nlohmann::json state = {{"step", steps_done_},
+                                {"loss_scale", scaler_.scale},
+                                {"scaler_good_steps", scaler_.good_steps},
+                                {"scaler_skipped_steps", scaler_.skipped_steps}};
+  // Written last: a folder without it is not a checkpoint.
+  write_file_atomic(staging / "trainer_state.json", state.dump(2) + "\n");
+  const fs::path old = dir.string() + ".old";
+  fs::remove_all(old);
+  if (fs::exists(dir)) fs::rename(dir, old);
+  fs::rename(staging, dir);
+  fs::remove_all(old);
+}
+
+void Engine::load_checkpoint(const std::filesystem::path& dir) {
+  MT_USER_CHECK(std::filesystem::exists(dir / "trainer_state.json"),
+                "{} is not a complete memtune checkpoint (no trainer_state.json)", dir.string());
+  const nlohmann::json state = read_json_file(dir / "trainer_state.json");
+  load_adapter(dir);
+  const SafetensorsCheckpoint optimizer = SafetensorsCheckpoint::open(dir, "optimizer.safetensors");
+  for (size_t i = 0; i < lora_.specs().size(); ++i) {
+    const LoraSpec& spec = lora_.specs()[i];
+    const LoraTensors& t = lora_.tensors()[i];
+    for (const auto& [key, tensor, shape] :
+         {std::tuple{spec.a_key + ".exp_avg", t.exp_avg_a, spec.a_shape}, std::tuple{spec.a_key + ".exp_avg_sq", t.exp_avg_sq_a, spec.a_shape},
+          std::tuple{spec.b_key + ".exp_avg", t.exp_avg_b, spec.b_shape}, std::tuple{spec.b_key + ".exp_avg_sq", t.exp_avg_sq_b, spec.b_shape}})
+      upload_converted(backend_, tensor, expect_tensor(optimizer, key, DType::f32, shape));
+  }
+  steps_done_ = json_get<int64_t>(state, "step", "trainer_state.json");
+  scaler_.scale = json_get<double>(state, "loss_scale", "trainer_state.json");
+  scaler_.good_steps = json_get<int64_t>(state, "scaler_good_steps", "trainer_state.json");
+  scaler_.skipped_steps = json_get<int64_t>(state, "scaler_skipped_steps", "trainer_state.json");
+}
+
 void Engine::upload(const HostMicroBatch& batch) {
   const MicroBatchBuffers& b = step_.batch();
   const size_t n = static_cast<size_t>(b.input_ids.numel());

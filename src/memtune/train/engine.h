@@ -65,6 +65,11 @@ class Engine {
   // Loads a PEFT adapter folder (adapter_model.safetensors) into the fp32 masters.
   void load_adapter(const std::filesystem::path& adapter_dir);
   void save_adapter(const std::filesystem::path& adapter_dir, const std::string& base_model) const;
+  // A resumable training state: the adapter (PEFT files) plus optimizer.safetensors (AdamW
+  // moments) and trainer_state.json (step, loss scaler). The folder is written beside the
+  // target and renamed into place, so an interrupted save never leaves a half checkpoint.
+  void save_checkpoint(const std::filesystem::path& dir, const std::string& base_model) const;
+  void load_checkpoint(const std::filesystem::path& dir);
 
   // One optimizer step over the given micro-batches (the accumulation), loss normalised by the
   // valid targets of all of them (transformers >= 4.46).

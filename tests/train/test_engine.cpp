@@ -1,0 +1,220 @@
+// Engine-level properties: the plan is exact, buffers never overlap, the memory techniques do
+// not change the math, and a seeded run is deterministic.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "memtune/core/error.h"
+#include "memtune/model/llama_config.h"
+#include "memtune/ops/backend.h"
+#include "memtune/train/engine_arena.h"
+
+using namespace memtune;
+
+namespace {
+
+LlamaConfig small_model() {
+  LlamaConfig c = resolve_model("tiny").config;
+  c.num_hidden_layers = 2;
+  c.vocab_size = 300;
+  return c;
+}
+
+RunConfig small_run() {
+  RunConfig run;
+  run.per_device_train_batch_size = 2;
+  run.max_seq_length = 24;
+  run.lora_r = 4;
+  run.lora_alpha = 8;
+  run.learning_rate = 1e-2;
+  return run;
+}
+
+std::vector<HostMicroBatch> random_batches(const LlamaConfig& model, const RunConfig& run, int count, uint64_t seed) {
+  std::vector<HostMicroBatch> out;
+  for (int m = 0; m < count; ++m) {
+    std::vector<std::vector<int32_t>> ids(run.per_device_train_batch_size);
+    for (size_t r = 0; r < ids.size(); ++r) {
+      const int64_t len = run.max_seq_length - static_cast<int64_t>(r) * 5;  // some padding
+      for (int64_t t = 0; t < len; ++t)
+        ids[r].push_back(static_cast<int32_t>(dropout_hash(seed, m * 10000 + r * 100 + t) % model.vocab_size));
+    }
+    out.push_back(make_micro_batch(ids, ids, run.max_seq_length));
+  }
+  return out;
+}
+
+std::vector<float> all_grads(Engine& engine) {
+  std::vector<float> out;
+  for (const LoraTensors& t : engine.lora().tensors())
+    for (const Tensor* g : {&t.grad_a, &t.grad_b}) {
+      std::vector<float> host(g->numel());
+      engine.backend().copy_to_host(host.data(), *g);
+      out.insert(out.end(), host.begin(), host.end());
+    }
+  return out;
+}
+
+struct StepResult {
+  double loss;
+  std::vector<float> grads;
+};
+
+// Non-zero B so that every gradient is non-zero; the same values for every variant.
+StepResult one_step(const RunConfig& run, const LlamaConfig& model) {
+  auto cpu = make_cpu_backend();
+  PlannedEngine engine(*cpu, run, model);
+  engine->init_random_weights(7);
+  engine->init_adapters(11);
+  for (const LoraTensors& t : engine->lora().tensors())
+    cpu->fill_random(t.b, Backend::Distribution::normal, 0.0f, 0.05f, 3);
+  engine->lora().sync_compute_copies(*cpu);
+  const double loss_scale = run.precision == Precision::fp16 ? engine->scaler().scale : 1.0;
+  const StepReport report = engine->train_step(random_batches(model, run, 2, 5));
+  EXPECT_FALSE(report.skipped);
+  std::vector<float> grads = all_grads(engine.engine());
+  for (float& g : grads) g = static_cast<float>(g / loss_scale);  // fp16 grads are stored scaled
+  return {report.loss, grads};
+}
+
+double rel_error(const std::vector<float>& a, const std::vector<float>& b) {
+  double d = 0, r = 0;
+  for (size_t i = 0; i < a.size(); ++i) d += (double(a[i]) - b[i]) * (double(a[i]) - b[i]), r += double(b[i]) * b[i];
+  return std::sqrt(d / r);
+}
+
+TEST(Engine, PlannedArenaEqualsAllocatedAndNoLiveBuffersOverlap) {
+  const LlamaConfig model = small_model();
+  for (bool ckpt : {false, true}) {
+    for (const char* attn : {"eager", "flash"}) {
+      RunConfig run = small_run();
+      run.gradient_checkpointing = ckpt;
+      run.attn_implementation = attn;
+      run.loss_implementation = ckpt ? "chunked" : "full";
+      run.loss_chunk_tokens = 7;
+      auto cpu = make_cpu_backend();
+      PlannedEngine engine(*cpu, run, model);
+      engine->init_random_weights(1);
+      engine->init_adapters(2);
+      engine->train_step(random_batches(model, run, 1, 3));
+      engine->eval_loss_sum(random_batches(model, run, 1, 4)[0]);
+      // The same sequence of allocations, at the same offsets, with the same peak.
+      EXPECT_EQ(engine->memory().verify_against(engine.plan().records), "");
+      EXPECT_EQ(engine->memory().allocator().high_water(), engine.plan().arena_bytes);
+      // No two buffers alive at the same time share a byte.
+      const auto& records = engine.plan().records;
+      for (size_t i = 0; i < records.size(); ++i) {
+        const int64_t end_i = records[i].freed_at < 0 ? INT64_MAX : records[i].freed_at;
+        for (size_t j = i + 1; j < records.size(); ++j) {
+          if (records[j].allocated_at >= end_i) break;  // i was freed before j was made
+          const bool disjoint = records[i].offset + records[i].bytes <= records[j].offset ||
+                                records[j].offset + records[j].bytes <= records[i].offset;
+          ASSERT_TRUE(disjoint) << records[i].name << " and " << records[j].name;
+        }
+      }
+    }
+  }
+}
+
+TEST(Engine, FlashCheckpointingAndChunkedLossGiveTheSameStep) {
+  const LlamaConfig model = small_model();
+  const StepResult reference = one_step(small_run(), model);
+  for (const char* attn : {"eager", "flash"}) {
+    for (bool ckpt : {false, true}) {
+      for (const char* loss : {"full", "chunked"}) {
+        RunConfig run = small_run();
+        run.attn_implementation = attn;
+        run.gradient_checkpointing = ckpt;
+        run.loss_implementation = loss;
+        run.loss_chunk_tokens = 5;
+        const StepResult got = one_step(run, model);
+        EXPECT_NEAR(got.loss, reference.loss, 1e-5 * reference.loss) << attn << ckpt << loss;
+        EXPECT_LT(rel_error(got.grads, reference.grads), 1e-5) << attn << ckpt << loss;
+      }
+    }
+  }
+}
+
+TEST(Engine, Bf16StepIsCloseToFp32) {
+  const LlamaConfig model = small_model();
+  const StepResult reference = one_step(small_run(), model);
+  for (Precision p : {Precision::bf16, Precision::fp16}) {
+    RunConfig run = small_run();
+    run.precision = p;
+    const StepResult got = one_step(run, model);
+    EXPECT_NEAR(got.loss, reference.loss, 2e-2 * reference.loss);
+    EXPECT_LT(rel_error(got.grads, reference.grads), 5e-2) << precision_name(p);
+    EXPECT_GT(rel_error(got.grads, reference.grads), 0.0) << "16-bit storage changed nothing";
+  }
+}
+
+TEST(Engine, SeededRunIsDeterministicAndLossFalls) {
+  const LlamaConfig model = small_model();
+  RunConfig run = small_run();
+  run.lora_dropout = 0.1;
+  std::vector<std::vector<double>> runs;
+  for (int repeat = 0; repeat < 2; ++repeat) {
+    auto cpu = make_cpu_backend();
+    PlannedEngine engine(*cpu, run, model);
+    engine->init_random_weights(1);
+    engine->init_adapters(2);
+    const auto batches = random_batches(model, run, 1, 9);
+    std::vector<double> losses;
+    for (int s = 0; s < 12; ++s) losses.push_back(engine->train_step(batches).loss);
+    runs.push_back(losses);
+  }
+  EXPECT_EQ(runs[0], runs[1]);
+  EXPECT_LT(runs[0].back(), runs[0].front() - 0.1) << "training on one batch must overfit it";
+}
+
+TEST(Engine, Fp16OverflowSkipsTheStepAndBacksOff) {
+  const LlamaConfig model = small_model();
+  RunConfig run = small_run();
+  run.precision = Precision::fp16;
+  auto cpu = make_cpu_backend();
+  PlannedEngine engine(*cpu, run, model);
+  engine->init_random_weights(1);
+  engine->init_adapters(2);
+  // Plant an inf in a frozen weight: the loss, and so the grads, overflow.
+  const Tensor& w = engine->weights().layers[0].projections[0];
+  std::vector<uint16_t> host(w.numel());
+  cpu->copy_to_host(host.data(), w);
+  host[0] = 0x7c00;  // +inf in f16
+  cpu->copy_from_host(w, host.data());
+  const double scale_before = engine->scaler().scale;
+  const StepReport report = engine->train_step(random_batches(model, run, 1, 1));
+  EXPECT_TRUE(report.skipped);
+  EXPECT_EQ(engine->scaler().skipped_steps, 1);
+  EXPECT_EQ(engine->scaler().scale, scale_before * 0.5);
+}
+
+TEST(Engine, CheckpointAfterStep3ResumesBitIdentically) {
+  const LlamaConfig model = small_model();
+  RunConfig run = small_run();
+  run.weight_decay = 0.01;
+  run.lora_dropout = 0.1;
+  const auto batches = random_batches(model, run, 2, 21);
+  const std::filesystem::path dir = std::filesystem::path(MEMTUNE_BINARY_DIR) / "test_checkpoint_resume";
+  std::vector<double> straight;
+  {
+    auto cpu = make_cpu_backend();
+    PlannedEngine engine(*cpu, run, model);
+    engine->init_random_weights(1);
+    engine->init_adapters(2);
+    for (int s = 0; s < 5; ++s) {
+      straight.push_back(engine->train_step(batches).loss);
+      if (s == 2) engine->save_checkpoint(dir, "tiny");
+    }
+  }
+  auto cpu = make_cpu_backend();
+  PlannedEngine engine(*cpu, run, model);
+  engine->init_random_weights(1);
+  engine->load_checkpoint(dir);
+  EXPECT_EQ(engine->steps_done(), 3);
+  EXPECT_EQ(engine->train_step(batches).loss, straight[3]);
+  EXPECT_EQ(engine->train_step(batches).loss, straight[4]);
+  EXPECT_THROW(engine->load_checkpoint(dir / "missing"), memtune::Error);
+}
+
+}  // namespace
