@@ -7,7 +7,7 @@ string(APPEND body "#include \"memtune/model/presets.h\"\nnamespace memtune {\n"
 string(APPEND body "const std::vector<EmbeddedPreset>& embedded_presets() {\n")
 string(APPEND body "  static const std::vector<EmbeddedPreset> presets = {\n")
 foreach(preset_file ${preset_files})
-  get_filename_component(preset_name ${preset_file} NAME_WE)
+  get_filename_component(preset_name ${preset_file} NAME_WLE)
   file(READ ${preset_file} preset_json)
   string(APPEND body "    {\"${preset_name}\", R\"memtune_json(${preset_json})memtune_json\"},\n")
 endforeach()

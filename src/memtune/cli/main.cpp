@@ -1,2 +1,258 @@
+// memtune: plan, train, eval and the memory ladder. Bad input is reported as one line on stderr
+// with a non-zero exit; nothing already written is lost (every output is written atomically).
+#include <CLI/CLI.hpp>
+
+#include <chrono>
 #include <cstdio>
-int main() { std::puts("memtune"); return 0; }
+#include <ctime>
+#include <iostream>
+
+#include "memtune/cli/run_options.h"
+#include "memtune/core/bytes.h"
+#include "memtune/data/jsonl_dataset.h"
+#include "memtune/io/file_util.h"
+#include "memtune/model/llama_config.h"
+#include "memtune/ops/device.h"
+#include "memtune/plan/plan_report.h"
+#include "memtune/report/ladder.h"
+#include "memtune/train/engine_arena.h"
+
+#if __has_include("memtune/report/ladder_report.h")
+#include "memtune/report/ladder_report.h"
+#define MEMTUNE_HAS_LADDER_REPORT 1
+#endif
+
+namespace memtune {
+namespace {
+
+std::string today() {
+  const std::time_t now = std::time(nullptr);
+  char buffer[32];
+  std::strftime(buffer, sizeof buffer, "%Y-%m-%d", std::gmtime(&now));
+  return buffer;
+}
+
+std::string git_commit() {
+  std::FILE* pipe = popen("git rev-parse --short HEAD 2>/dev/null", "r");
+  if (pipe == nullptr) return "unknown";
+  char buffer[64] = {0};
+  const bool ok = std::fgets(buffer, sizeof buffer, pipe) != nullptr;
+  pclose(pipe);
+  std::string commit = ok ? buffer : "unknown";
+  while (!commit.empty() && (commit.back() == '\n' || commit.back() == '\r')) commit.pop_back();
+  return commit;
+}
+
+// Groups samples into the micro-batches of one optimizer step, cycling through the data.
+std::vector<HostMicroBatch> step_batches(const Dataset& data, const RunConfig& run, int64_t step) {
+  std::vector<HostMicroBatch> batches;
+  const int64_t per_step = run.per_device_train_batch_size * run.gradient_accumulation_steps;
+  for (int64_t m = 0; m < run.gradient_accumulation_steps; ++m) {
+    std::vector<std::vector<int32_t>> ids, labels;
+    for (int64_t b = 0; b < run.per_device_train_batch_size; ++b) {
+      const Sample& s = data.samples[(step * per_step + m * run.per_device_train_batch_size + b) % data.samples.size()];
+      ids.push_back(s.input_ids);
+      labels.push_back(s.labels);
+    }
+    batches.push_back(make_micro_batch(ids, labels, run.max_seq_length));
+  }
+  return batches;
+}
+
+Tokenizer load_tokenizer(const std::string& path) {
+  return path.empty() ? Tokenizer::byte_level() : Tokenizer::from_file(path);
+}
+
+void check_budget(const Plan& plan, const RunConfig& run, const LlamaConfig& model, const std::string& vram) {
+  if (vram.empty()) return;
+  const uint64_t budget = parse_bytes(vram);
+  if (plan.arena_bytes <= budget) return;
+  mt_fail("run does not fit --vram {}: {}", vram, fit_advice(run, model, budget, 0));
+}
+
+int run_cli(int argc, char** argv) {
+  CLI::App app{"memtune: LoRA/QLoRA fine-tuning for Llama that plans every byte"};
+  app.require_subcommand(1);
+  RunConfig run;
+  RunFlags flags;
+  std::string device = "auto", vram, data_path, eval_path, tokenizer_path, out_dir, init_adapter, resume;
+  std::string bad_line = "error";
+  bool json = false, quiet = false;
+  int64_t save_steps = 0, eval_steps = 0, ladder_steps = 3;
+  std::string order;
+
+  CLI::App* plan_cmd = app.add_subcommand("plan", "print the memory plan of a run (no checkpoint, no GPU needed)");
+  add_run_options(*plan_cmd, run, flags);
+  plan_cmd->add_flag("--json", json, "print one JSON object");
+  plan_cmd->add_option("--vram", vram, "budget, e.g. 24GiB: refuse, with advice, a plan over it");
+
+  CLI::App* train_cmd = app.add_subcommand("train", "train a LoRA adapter");
+  add_run_options(*train_cmd, run, flags);
+  train_cmd->add_option("--data", data_path, "JSONL: {\"input_ids\",\"labels\"} or {\"text\"}; synthetic tokens when absent");
+  train_cmd->add_option("--eval_data", eval_path, "JSONL evaluated every --eval_steps");
+  train_cmd->add_option("--eval_steps", eval_steps, "evaluate every N steps");
+  train_cmd->add_option("--tokenizer", tokenizer_path, "tokenizer.json (default: the built-in byte tokenizer)");
+  train_cmd->add_option("--out", out_dir, "output folder: adapter (PEFT format) and checkpoint");
+  train_cmd->add_option("--init-adapter,--init_adapter", init_adapter, "start from a PEFT adapter folder");
+  train_cmd->add_option("--resume", resume, "continue from a memtune checkpoint folder");
+  train_cmd->add_option("--save_steps", save_steps, "write a checkpoint every N steps");
+  train_cmd->add_option("--device", device, "cpu | cuda | auto")->capture_default_str();
+  train_cmd->add_option("--vram", vram, "budget, e.g. 24GiB");
+  train_cmd->add_option("--on-bad-line", bad_line, "error | skip")->capture_default_str();
+  train_cmd->add_flag("--quiet", quiet);
+
+  CLI::App* eval_cmd = app.add_subcommand("eval", "print the mean loss on a JSONL file as JSON");
+  add_run_options(*eval_cmd, run, flags);
+  eval_cmd->add_option("--data", data_path, "JSONL file")->required();
+  eval_cmd->add_option("--adapter", init_adapter, "PEFT adapter folder");
+  eval_cmd->add_option("--tokenizer", tokenizer_path);
+  eval_cmd->add_option("--device", device)->capture_default_str();
+
+  CLI::App* ladder_cmd = app.add_subcommand("ladder", "the memory ladder: apply memory techniques one at a time");
+  add_run_options(*ladder_cmd, run, flags);
+  ladder_cmd->add_option("--vram", vram, "budget, e.g. 24GiB");
+  ladder_cmd->add_option("--out", out_dir, "folder for ladder.json (and report.md, ladder.csv, ladder.svg)")->capture_default_str();
+  ladder_cmd->add_option("--order", order, "comma list of: bf16,gradient_checkpointing,flash,chunked_loss,micro_batch,seq_halved");
+  ladder_cmd->add_option("--steps-per-rung", ladder_steps, "optimizer steps measured per rung")->capture_default_str();
+  ladder_cmd->add_option("--device", device)->capture_default_str();
+  ladder_cmd->add_flag("--quiet", quiet);
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  resolve_run_flags(run, flags);
+  const ModelSource source = resolve_model(run.model);
+  const LlamaConfig& model = source.config;
+
+  if (plan_cmd->parsed()) {
+    const Plan plan = plan_run(run, model);
+    if (json) std::cout << plan_json(plan, run, model).dump(2) << "\n";
+    else std::cout << format_plan(plan, run, model);
+    check_budget(plan, run, model, vram);
+    return 0;
+  }
+
+  if (ladder_cmd->parsed()) {
+    LadderOptions options;
+    options.base = run;
+    options.device = device;
+    options.budget_bytes = vram.empty() ? 0 : parse_bytes(vram);
+    options.steps = ladder_steps;
+    options.quiet = quiet;
+    options.commit = git_commit();
+    options.date = today();
+    for (size_t start = 0; !order.empty() && start <= order.size();) {
+      const size_t end = std::min(order.find(',', start), order.size());
+      options.order.push_back(order.substr(start, end - start));
+      start = end + 1;
+    }
+    const nlohmann::json ladder = run_ladder(options);
+    if (out_dir.empty()) out_dir = "ladder-out";
+    std::filesystem::create_directories(out_dir);
+#ifdef MEMTUNE_HAS_LADDER_REPORT
+    write_ladder_outputs(ladder, out_dir);
+    std::cout << ladder_terminal_table(ladder);
+#else
+    write_file_atomic(std::filesystem::path(out_dir) / "ladder.json", ladder.dump(2) + "\n");
+    std::cout << ladder.dump(2) << "\n";
+#endif
+    std::cout << "wrote " << out_dir << "\n";
+    return 0;
+  }
+
+  std::unique_ptr<Backend> backend = make_backend(device);
+  const Tokenizer tokenizer = load_tokenizer(tokenizer_path);
+  const BadLinePolicy policy = bad_line == "skip" ? BadLinePolicy::skip : BadLinePolicy::error;
+  MT_USER_CHECK(bad_line == "skip" || bad_line == "error", "--on-bad-line {}: expected error or skip", bad_line);
+
+  if (eval_cmd->parsed()) {
+    const Dataset data = read_jsonl_dataset(data_path, tokenizer, model.vocab_size);
+    RunConfig eval_run = run;
+    eval_run.per_device_train_batch_size = 1;
+    int64_t longest = 2;
+    for (const Sample& s : data.samples) longest = std::max<int64_t>(longest, s.input_ids.size());
+    eval_run.max_seq_length = std::min<int64_t>(longest, run.max_seq_length);
+    PlannedEngine engine(*backend, eval_run, model);
+    if (!source.checkpoint_dir.empty()) engine->load_base_checkpoint(source.checkpoint_dir);
+    else engine->init_random_weights(run.seed);
+    if (!init_adapter.empty()) engine->load_adapter(init_adapter);
+    else engine->init_adapters(run.seed + 1);
+    double loss_sum = 0;
+    int64_t tokens = 0;
+    for (const Sample& s : data.samples) {
+      const auto [sum, count] = engine->eval_loss_sum(make_micro_batch({s.input_ids}, {s.labels}, eval_run.max_seq_length));
+      loss_sum += sum;
+      tokens += count;
+    }
+    MT_USER_CHECK(tokens > 0, "every label in {} is masked (-100): no loss to report", data_path);
+    std::cout << nlohmann::json{{"loss", loss_sum / tokens}, {"tokens", tokens}, {"samples", data.samples.size()}}.dump() << "\n";
+    return 0;
+  }
+
+  // train
+  const Dataset data = data_path.empty()
+      ? synthetic_dataset(run.per_device_train_batch_size * run.gradient_accumulation_steps * std::max<int64_t>(1, run.max_steps), run.max_seq_length, model.vocab_size, run.seed)
+      : read_jsonl_dataset(data_path, tokenizer, model.vocab_size, policy);
+  const Dataset eval_data = eval_path.empty() ? Dataset{} : read_jsonl_dataset(eval_path, tokenizer, model.vocab_size, policy);
+  const Plan plan = plan_run(run, model);
+  std::cerr << format_plan(plan, run, model);
+  check_budget(plan, run, model, vram);
+  PlannedEngine engine(*backend, run, model);
+  if (!source.checkpoint_dir.empty()) engine->load_base_checkpoint(source.checkpoint_dir);
+  else engine->init_random_weights(run.seed);
+  engine->init_adapters(run.seed + 1);
+  if (!init_adapter.empty()) engine->load_adapter(init_adapter);
+  if (!resume.empty()) engine->load_checkpoint(resume);
+  const std::filesystem::path out = out_dir;
+  const std::string base_name = model.name.empty() ? run.model : model.name;
+  auto evaluate = [&]() {
+    double sum = 0;
+    int64_t count = 0;
+    for (const Sample& s : eval_data.samples) {
+      const auto [l, c] = engine->eval_loss_sum(make_micro_batch({s.input_ids}, {s.labels}, run.max_seq_length));
+      sum += l;
+      count += c;
+    }
+    return count > 0 ? sum / count : 0.0;
+  };
+  for (int64_t step = engine->steps_done(); step < run.max_steps; ++step) {
+    const auto start = std::chrono::steady_clock::now();
+    const StepReport report = engine->train_step(step_batches(data, run, step));
+    backend->synchronize();
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    MT_USER_CHECK(std::isfinite(report.loss) || run.precision == Precision::fp16,
+                  "step {}: the loss is {} — stopping; the last good checkpoint is kept", step + 1, report.loss);
+    nlohmann::json line = {{"step", step + 1}, {"loss", report.loss}, {"grad_norm", report.grad_norm},
+                           {"lr", report.learning_rate}, {"tokens_per_second", report.tokens / seconds},
+                           {"planned_peak_bytes", plan.arena_bytes},
+                           {"engine_peak_bytes", engine->memory().allocator().high_water()},
+                           {"skipped", report.skipped}};
+    if (!eval_data.samples.empty() && eval_steps > 0 && (step + 1) % eval_steps == 0) line["eval_loss"] = evaluate();
+    if (!quiet) std::cout << line.dump() << std::endl;
+    if (!out_dir.empty() && save_steps > 0 && (step + 1) % save_steps == 0)
+      engine->save_checkpoint(out / "checkpoint", base_name);
+  }
+  if (!out_dir.empty()) {
+    engine->save_adapter(out / "adapter", base_name);
+    engine->save_checkpoint(out / "checkpoint", base_name);
+    std::cerr << "wrote " << (out / "adapter").string() << " (PEFT format) and " << (out / "checkpoint").string() << "\n";
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace memtune
+
+int main(int argc, char** argv) {
+  try {
+    return memtune::run_cli(argc, argv);
+  } catch (const memtune::Error& e) {
+    std::fprintf(stderr, "memtune: error: %s\n", e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "memtune: error: %s\n", e.what());
+    return 2;
+  }
+}

@@ -1,0 +1,60 @@
+// The run options in Hugging Face / TRL / PEFT names, shared by every subcommand.
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+#include "memtune/train/run_config.h"
+
+namespace memtune {
+
+struct RunFlags {
+  bool bf16 = false, fp16 = false, fp32 = false;
+  std::string lr_scheduler_type = "constant";
+};
+
+inline void add_run_options(CLI::App& app, RunConfig& run, RunFlags& flags) {
+  app.add_option("--model", run.model, "preset (tiny, llama-3.2-1b, llama-3.2-3b, llama-3.1-8b, llama-3.1-70b), a folder with config.json, or a config .json")->capture_default_str();
+  app.add_flag("--bf16", flags.bf16, "bf16 base and activations (fp32 LoRA masters, grads, AdamW)");
+  app.add_flag("--fp16", flags.fp16, "fp16 base and activations with dynamic loss scaling");
+  app.add_flag("--fp32", flags.fp32, "fp32 everything (default)");
+  app.add_flag("--gradient_checkpointing,--gradient-checkpointing", run.gradient_checkpointing, "save layer inputs only; recompute in backward");
+  app.add_option("--attn_implementation,--attn-implementation", run.attn_implementation, "eager | flash")->capture_default_str();
+  app.add_option("--loss_implementation,--loss-implementation", run.loss_implementation, "full | chunked")->capture_default_str();
+  app.add_option("--loss_chunk_tokens", run.loss_chunk_tokens, "tokens per chunk of the chunked loss")->capture_default_str();
+  app.add_option("--per_device_train_batch_size,--batch", run.per_device_train_batch_size, "micro-batch size")->capture_default_str();
+  app.add_option("--gradient_accumulation_steps,--accum", run.gradient_accumulation_steps, "micro-batches per optimizer step")->capture_default_str();
+  app.add_option("--max_seq_length,--seq", run.max_seq_length, "tokens per sequence")->capture_default_str();
+  app.add_option("--lora_r", run.lora_r, "LoRA rank")->capture_default_str();
+  app.add_option("--lora_alpha", run.lora_alpha, "LoRA alpha")->capture_default_str();
+  app.add_option("--lora_dropout", run.lora_dropout, "LoRA dropout")->capture_default_str();
+  app.add_flag("--use_rslora", run.use_rslora, "scale by alpha/sqrt(r)");
+  app.add_option("--lora_target_modules", run.lora_target_modules, "all-linear or q_proj,k_proj,...")->capture_default_str();
+  app.add_option("--learning_rate,--lr", run.learning_rate)->capture_default_str();
+  app.add_option("--weight_decay", run.weight_decay)->capture_default_str();
+  app.add_option("--adam_beta1", run.adam_beta1)->capture_default_str();
+  app.add_option("--adam_beta2", run.adam_beta2)->capture_default_str();
+  app.add_option("--adam_epsilon", run.adam_epsilon)->capture_default_str();
+  app.add_option("--max_grad_norm", run.max_grad_norm, "clip by global norm; <= 0 disables")->capture_default_str();
+  app.add_option("--lr_scheduler_type", flags.lr_scheduler_type, "constant | linear | cosine")->capture_default_str();
+  app.add_option("--warmup_steps", run.warmup_steps)->capture_default_str();
+  app.add_option("--max_steps,--steps", run.max_steps, "optimizer steps")->capture_default_str();
+  app.add_option("--seed", run.seed)->capture_default_str();
+}
+
+// Applies the flags that need resolving; throws memtune::Error on contradictions.
+inline void resolve_run_flags(RunConfig& run, const RunFlags& flags) {
+  MT_USER_CHECK(int(flags.bf16) + int(flags.fp16) + int(flags.fp32) <= 1,
+                "--bf16, --fp16 and --fp32 exclude each other");
+  if (flags.bf16) run.precision = Precision::bf16;
+  if (flags.fp16) run.precision = Precision::fp16;
+  if (flags.fp32) run.precision = Precision::fp32;
+  if (flags.lr_scheduler_type == "constant") run.lr_scheduler_type = LrSchedule::constant;
+  else if (flags.lr_scheduler_type == "linear") run.lr_scheduler_type = LrSchedule::linear;
+  else if (flags.lr_scheduler_type == "cosine") run.lr_scheduler_type = LrSchedule::cosine;
+  else mt_fail("--lr_scheduler_type {}: expected constant, linear or cosine", flags.lr_scheduler_type);
+  if (run.attn_implementation == "flash_attention_2" || run.attn_implementation == "sdpa")
+    run.attn_implementation = "flash";
+  run.validate();
+}
+
+}  // namespace memtune

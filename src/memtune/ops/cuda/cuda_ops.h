@@ -1,0 +1,151 @@
+// The kernels of the CUDA backend behind plain launch functions: raw device pointers, dtypes and
+// plain parameter structs (flash-attention's flash.h style), so that the .cu files need neither
+// Tensor nor fmt. (fmt 9, header-only in C++20 mode, uses consteval format strings that nvcc 13
+// cannot compile; core/tensor.h includes it through core/error.h. So the CudaBackend methods,
+// which take Tensors and check them with MT_ASSERT, live in cuda_backend.cpp and call these.)
+//
+// Every launch goes to the given stream and returns without synchronising. Sizes are int64.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "memtune/core/dtype.h"
+
+namespace memtune::cuda {
+
+// ---- elementwise (cuda_backend.cu) ---------------------------------------------------------
+void launch_fill(void* dst, DType dst_type, int64_t n, float value, cudaStream_t stream);
+void launch_convert(void* dst, DType dst_type, const void* src, DType src_type, int64_t n,
+                    cudaStream_t stream);
+void launch_add(void* dst, DType dst_type, const void* a, DType a_type, const void* b,
+                DType b_type, int64_t n, cudaStream_t stream);
+void launch_scale(void* dst, DType dst_type, int64_t n, float value, cudaStream_t stream);
+// distribution: 0 normal(a, b), 1 uniform[a, b) (Backend::Distribution order).
+void launch_fill_random(void* dst, DType dst_type, int64_t n, int distribution, float a, float b,
+                        uint64_t seed, cudaStream_t stream);
+// Strided 2-D copy with conversion: dst[r * dst_ld + c] = src[r * src_ld + c].
+void launch_copy_2d(void* dst, DType dst_type, int64_t dst_ld, const void* src, DType src_type,
+                    int64_t src_ld, int64_t rows, int64_t cols, cudaStream_t stream);
+
+// Deterministic fp32 sums: partial sums per block go to `partials` (at most kMaxPartials
+// floats, a buffer the backend owns), then one block adds them in a fixed order onto *acc.
+constexpr int kMaxPartials = 1 << 16;
+void launch_sum_squares(float* acc, const void* x, DType x_type, int64_t n, float* partials,
+                        cudaStream_t stream);
+// *acc += sum(values[0, n)) in a fixed order (n <= kMaxPartials), one block.
+void launch_add_sum(float* acc, const float* values, int64_t n, cudaStream_t stream);
+
+// ---- GEMM (matmul.cu) -------------------------------------------------------------------------
+// Row-major, strided-batched: for each batch index z,
+//   C_z[m, n] = alpha * op(A_z)[m, k] @ op(B_z)[k, n] + beta * C_z (C not read when beta == 0).
+// op(A) = A stored [m, k] (ld lda) or, transposed, A stored [k, m] (ld lda); the same for B.
+struct GemmArgs {
+  void* c = nullptr;
+  DType c_type = DType::f32;
+  int64_t ldc = 0, stride_c = 0;
+  const void* a = nullptr;
+  DType a_type = DType::f32;
+  bool transpose_a = false;
+  int64_t lda = 0, stride_a = 0;
+  const void* b = nullptr;
+  DType b_type = DType::f32;
+  bool transpose_b = false;
+  int64_t ldb = 0, stride_b = 0;
+  int64_t m = 0, n = 0, k = 0;
+  int64_t batch = 1;
+  float alpha = 1.0f, beta = 0.0f;
+};
+
+// The cuBLASLt handle, its workspace and a cache of the chosen algorithms.
+struct GemmContext;
+GemmContext* gemm_context_create(void* workspace, uint64_t workspace_bytes);
+void gemm_context_destroy(GemmContext* context);
+// cuBLASLt where it takes the dtypes (A and B of one dtype; f32 in -> f32 out, 16-bit in -> the
+// same 16-bit or f32 out) and finds an algorithm; otherwise a plain fp32 tiled kernel.
+void gemm(GemmContext* context, const GemmArgs& args, cudaStream_t stream);
+// The fallback kernel alone (tests reach it through mixed dtypes).
+void gemm_fallback(const GemmArgs& args, cudaStream_t stream);
+
+// ---- model ops ----------------------------------------------------------------------------------
+void launch_embedding(void* out, DType out_type, const void* table, DType table_type,
+                      int64_t vocab, int64_t hidden, const int32_t* ids, int64_t n,
+                      cudaStream_t stream);
+void launch_rmsnorm_forward(void* out, DType out_type, float* rstd, const void* x, DType x_type,
+                            const void* weight, DType weight_type, int64_t rows, int64_t hidden,
+                            float eps, cudaStream_t stream);
+void launch_rmsnorm_backward(void* dx, DType dx_type, const void* dy, DType dy_type,
+                             const void* x, DType x_type, const void* weight, DType weight_type,
+                             const float* rstd, int64_t rows, int64_t hidden, bool accumulate,
+                             cudaStream_t stream);
+// positions: i32 or f32 [tokens].
+void launch_rope(void* x, DType x_type, int64_t tokens, int64_t width, const void* positions,
+                 DType positions_type, const float* inv_freq, int64_t head_dim, bool inverse,
+                 cudaStream_t stream);
+void launch_swiglu_forward(void* out, DType out_type, const void* gate, DType gate_type,
+                           const void* up, DType up_type, int64_t n, cudaStream_t stream);
+void launch_swiglu_backward(void* d_gate, DType d_gate_type, void* d_up, DType d_up_type,
+                            const void* d_out, DType d_out_type, const void* gate,
+                            DType gate_type, const void* up, DType up_type, int64_t n,
+                            cudaStream_t stream);
+
+// ---- attention ----------------------------------------------------------------------------------
+struct AttentionParams {
+  int64_t batch = 0, seq = 0, n_heads = 0, n_kv_heads = 0, head_dim = 0;
+  float scale = 0.0f;
+  const int32_t* segments = nullptr;  // i32 [batch * seq] or null
+};
+
+void attention_eager_forward(GemmContext* gemm_context, const AttentionParams& p, void* out,
+                             DType out_type, void* probs, DType probs_type, void* scores,
+                             DType scores_type, const void* q, DType q_type, const void* k,
+                             DType k_type, const void* v, DType v_type, cudaStream_t stream);
+void attention_eager_backward(GemmContext* gemm_context, const AttentionParams& p, void* dq,
+                              DType dq_type, void* dk, DType dk_type, void* dv, DType dv_type,
+                              void* dprobs, DType dprobs_type, const void* d_out,
+                              DType d_out_type, const void* probs, DType probs_type,
+                              const void* q, DType q_type, const void* k, DType k_type,
+                              const void* v, DType v_type, cudaStream_t stream);
+
+// Tensors of the flash kernels: q/k/v/out/d_out and dq/dk/dv with their dtypes.
+struct FlashTensors {
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  void* out = nullptr;  // written by the forward, read by the backward
+  const void* d_out = nullptr;
+  void* dq = nullptr;
+  void* dk = nullptr;
+  void* dv = nullptr;
+  DType q_type = DType::bf16, k_type = DType::bf16, v_type = DType::bf16;
+  DType out_type = DType::bf16, d_out_type = DType::bf16;
+  DType dq_type = DType::bf16, dk_type = DType::bf16, dv_type = DType::bf16;
+  float* lse = nullptr;       // f32 [batch, n_heads, seq]
+  float* delta = nullptr;     // f32 [batch, n_heads, seq] (backward)
+  float* dq_accum = nullptr;  // f32 [N, n_heads * head_dim] (backward)
+};
+void attention_flash_forward(const AttentionParams& p, const FlashTensors& t,
+                             cudaStream_t stream);
+void attention_flash_backward(const AttentionParams& p, const FlashTensors& t,
+                              cudaStream_t stream);
+// Whether the tensor-core kernels take these arguments (else the generic kernels run).
+bool attention_flash_uses_tensor_cores(const AttentionParams& p, const FlashTensors& t,
+                                       bool backward);
+
+// ---- loss, dropout, optimizer ---------------------------------------------------------------------
+// row_losses: f32 scratch of at least min(rows, kMaxPartials) floats.
+void launch_cross_entropy(float* loss_sum, void* d_logits, DType d_logits_type,
+                          const void* logits, DType logits_type, const int32_t* targets,
+                          int64_t rows, int64_t vocab, float grad_scale, float* row_losses,
+                          cudaStream_t stream);
+void launch_dropout(void* out, DType out_type, const void* x, DType x_type, int64_t n, float p,
+                    uint64_t seed, cudaStream_t stream);
+struct AdamWScalars {
+  float decay_factor, avg_weight, beta2, sq_weight, bias_correction2_sqrt, neg_step_size, eps,
+      grad_scale;
+};
+void launch_adamw(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, int64_t n,
+                  const AdamWScalars& s, cudaStream_t stream);
+
+}  // namespace memtune::cuda

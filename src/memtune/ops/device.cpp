@@ -1,0 +1,56 @@
+#include "memtune/ops/device.h"
+
+#include "memtune/core/error.h"
+
+#ifdef MEMTUNE_WITH_CUDA
+#include <cuda_runtime.h>
+#endif
+
+namespace memtune {
+
+bool cuda_device_present() {
+#ifdef MEMTUNE_WITH_CUDA
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    cudaGetLastError();  // clear the sticky "no device" error
+    return false;
+  }
+  return count > 0;
+#else
+  return false;
+#endif
+}
+
+std::unique_ptr<Backend> make_backend(const std::string& device) {
+  MT_USER_CHECK(device == "cpu" || device == "cuda" || device == "auto",
+                "--device {}: expected cpu, cuda or auto", device);
+  if (device == "cpu") return make_cpu_backend();
+  if (cuda_device_present()) {
+#ifdef MEMTUNE_WITH_CUDA
+    return make_cuda_backend();
+#endif
+  }
+  MT_USER_CHECK(device == "auto", "--device cuda: no CUDA device is available{}",
+#ifdef MEMTUNE_WITH_CUDA
+                ""
+#else
+                " (this binary was built without the CUDA backend)"
+#endif
+  );
+  return make_cpu_backend();
+}
+
+std::string device_description(const Backend& backend) {
+#ifdef MEMTUNE_WITH_CUDA
+  if (backend.device() == Device::cuda) {
+    int index = 0;
+    cudaDeviceProp prop{};
+    if (cudaGetDevice(&index) == cudaSuccess && cudaGetDeviceProperties(&prop, index) == cudaSuccess)
+      return prop.name;
+    return "cuda";
+  }
+#endif
+  return std::string(device_name(backend.device()));
+}
+
+}  // namespace memtune

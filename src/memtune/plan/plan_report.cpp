@@ -1,0 +1,97 @@
+#include "memtune/plan/plan_report.h"
+
+#include <fmt/format.h>
+
+#include <functional>
+
+#include "memtune/core/bytes.h"
+
+namespace memtune {
+
+nlohmann::json run_config_json(const RunConfig& run, const LlamaConfig& model) {
+  return {{"model", model.name.empty() ? run.model : model.name},
+          {"precision", std::string(precision_name(run.precision))},
+          {"attn_implementation", run.attn_implementation},
+          {"loss_implementation", run.loss_implementation},
+          {"loss_chunk_tokens", run.loss_chunk_tokens},
+          {"gradient_checkpointing", run.gradient_checkpointing},
+          {"per_device_train_batch_size", run.per_device_train_batch_size},
+          {"gradient_accumulation_steps", run.gradient_accumulation_steps},
+          {"max_seq_length", run.max_seq_length},
+          {"lora_r", run.lora_r},
+          {"lora_alpha", run.lora_alpha},
+          {"lora_dropout", run.lora_dropout},
+          {"use_rslora", run.use_rslora},
+          {"lora_target_modules", run.lora_target_modules},
+          {"learning_rate", run.learning_rate},
+          {"max_steps", run.max_steps},
+          {"seed", run.seed}};
+}
+
+nlohmann::json plan_json(const Plan& plan, const RunConfig& run, const LlamaConfig& model) {
+  nlohmann::json categories = nlohmann::json::object(), max = nlohmann::json::object();
+  for (int c = 0; c < kNumMemCategories; ++c) {
+    categories[std::string(category_name(category_at(c)))] = plan.at_peak[c];
+    max[std::string(category_name(category_at(c)))] = plan.max_by_category[c];
+  }
+  return {{"categories", categories},
+          {"max_by_category", max},
+          {"peak_bytes", plan.arena_bytes},
+          {"peak_live_bytes", plan.peak_live_bytes},
+          {"trainable_parameters", plan.trainable_parameters},
+          {"frozen_parameters", plan.frozen_parameters},
+          {"allocations", plan.records.size()},
+          {"planning_seconds", plan.seconds},
+          {"run", run_config_json(run, model)}};
+}
+
+std::string format_plan(const Plan& plan, const RunConfig& run, const LlamaConfig& model) {
+  std::string out = fmt::format(
+      "memtune plan: {} | {} | attention {} | checkpointing {} | loss {} | batch {} x seq {} "
+      "(accumulation {}) | LoRA r{} alpha {} on {}\n",
+      model.name.empty() ? run.model : model.name, precision_name(run.precision),
+      run.attn_implementation, run.gradient_checkpointing ? "on" : "off", run.loss_implementation,
+      run.per_device_train_batch_size, run.max_seq_length, run.gradient_accumulation_steps,
+      run.lora_r, run.lora_alpha, run.lora_target_modules);
+  out += fmt::format("  {:<24}{:>14}{:>14}\n", "category", "at peak", "own max");
+  for (int c = 0; c < kNumMemCategories; ++c)
+    out += fmt::format("  {:<24}{:>14}{:>14}\n", category_label(category_at(c)),
+                       format_bytes(plan.at_peak[c]), format_bytes(plan.max_by_category[c]));
+  out += fmt::format("  {:<24}{:>14}\n", "peak (arena)", format_bytes(plan.arena_bytes));
+  out += fmt::format("  parameters: {} frozen, {} trainable; {} allocations planned in {:.3f} s\n",
+                     plan.frozen_parameters, plan.trainable_parameters, plan.records.size(),
+                     plan.seconds);
+  return out;
+}
+
+std::string fit_advice(const RunConfig& run, const LlamaConfig& model, uint64_t budget,
+                       uint64_t context) {
+  struct Change {
+    std::string what;
+    std::function<bool(RunConfig&)> apply;  // false: not applicable
+  };
+  const std::vector<Change> changes = {
+      {"--bf16", [](RunConfig& r) { if (r.precision != Precision::fp32) return false; r.precision = Precision::bf16; return true; }},
+      {"--gradient_checkpointing", [](RunConfig& r) { if (r.gradient_checkpointing) return false; r.gradient_checkpointing = true; return true; }},
+      {"--attn_implementation flash", [](RunConfig& r) { if (r.attn_implementation != "eager") return false; r.attn_implementation = "flash"; return true; }},
+      {"--loss_implementation chunked", [](RunConfig& r) { if (r.loss_implementation == "chunked") return false; r.loss_implementation = "chunked"; return true; }},
+      {"halve --per_device_train_batch_size (double accumulation)", [](RunConfig& r) { if (r.per_device_train_batch_size < 2) return false; r.per_device_train_batch_size /= 2; r.gradient_accumulation_steps *= 2; return true; }},
+      {"halve --max_seq_length", [](RunConfig& r) { if (r.max_seq_length < 4) return false; r.max_seq_length /= 2; return true; }},
+  };
+  std::string out = fmt::format("the plan needs {} + {} context, over the budget of {}. Single changes:\n",
+                                format_bytes(plan_run(run, model).arena_bytes), format_bytes(context),
+                                format_bytes(budget));
+  RunConfig all = run;
+  for (const Change& change : changes) {
+    RunConfig changed = run;
+    if (!change.apply(changed)) continue;
+    change.apply(all);
+    const uint64_t peak = plan_run(changed, model).arena_bytes + context;
+    out += fmt::format("  {:<58} -> {:>12}{}\n", change.what, format_bytes(peak), peak <= budget ? "  fits" : "");
+  }
+  const uint64_t all_peak = plan_run(all, model).arena_bytes + context;
+  out += fmt::format("  {:<58} -> {:>12}{}\n", "all of the above", format_bytes(all_peak), all_peak <= budget ? "  fits" : "  still does not fit");
+  return out;
+}
+
+}  // namespace memtune

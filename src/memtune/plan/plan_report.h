@@ -1,0 +1,21 @@
+// The plan as people read it: a table by category, and one JSON object.
+#pragma once
+
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "memtune/train/engine.h"
+
+namespace memtune {
+
+std::string format_plan(const Plan& plan, const RunConfig& run, const LlamaConfig& model);
+// {"categories": {name: bytes at the peak}, "max_by_category": {...}, "peak_bytes": arena,
+//  "peak_live_bytes", "trainable_parameters", "frozen_parameters", "planning_seconds", "run"}
+nlohmann::json plan_json(const Plan& plan, const RunConfig& run, const LlamaConfig& model);
+nlohmann::json run_config_json(const RunConfig& run, const LlamaConfig& model);
+
+// Advice for a run whose plan exceeds the budget: what each single change would give.
+std::string fit_advice(const RunConfig& run, const LlamaConfig& model, uint64_t budget_bytes,
+                       uint64_t context_bytes);
+
+}  // namespace memtune

@@ -1,0 +1,29 @@
+// The memory ladder: the seed exercise as one command. Rungs apply memory techniques one at a
+// time, cumulatively, from an fp16 baseline; each is planned, and run where it fits the device.
+#pragma once
+
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "memtune/train/run_config.h"
+
+namespace memtune {
+
+struct LadderOptions {
+  RunConfig base;                  // the baseline's shape: model, batch, seq, LoRA
+  std::string device = "auto";
+  uint64_t budget_bytes = 0;       // --vram
+  int64_t steps = 3;               // optimizer steps measured per rung
+  std::vector<std::string> order;  // trick names; empty: the seed's order
+  bool quiet = false;
+  std::string commit, date;
+};
+
+// The tricks, by name, in the seed's order.
+const std::vector<std::string>& ladder_trick_names();
+// Runs the ladder and returns ladder.json (see report/ladder_report.h for the schema).
+nlohmann::json run_ladder(const LadderOptions& options);
+
+}  // namespace memtune
