@@ -1,0 +1,212 @@
+// The memtune command line, run as a user runs it: figures of the plan, HF round trips through
+// eval and train, and clear errors with a non-zero exit for bad input.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <array>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "memtune/io/safetensors.h"
+
+namespace fs = std::filesystem;
+using memtune::DType;
+
+namespace {
+
+struct Result {
+  int exit_code;
+  std::string output;  // stdout and stderr together
+};
+
+Result memtune_cli(const std::string& args) {
+  const std::string command = std::string(MEMTUNE_BINARY_DIR) + "/memtune " + args + " 2>&1";
+  std::FILE* pipe = popen(command.c_str(), "r");
+  std::string output;
+  std::array<char, 4096> buffer;
+  size_t n;
+  while ((n = std::fread(buffer.data(), 1, buffer.size(), pipe)) > 0) output.append(buffer.data(), n);
+  const int status = pclose(pipe);
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, output};
+}
+
+nlohmann::json plan_json(const std::string& args) {
+  const Result r = memtune_cli("plan --json " + args);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  return nlohmann::json::parse(r.output);
+}
+
+fs::path temp_dir(const std::string& name) {
+  const fs::path dir = fs::path(MEMTUNE_BINARY_DIR) / "cli_tests" / name;
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  return dir;
+}
+
+fs::path golden(const std::string& name) { return fs::path(MEMTUNE_SOURCE_DIR) / "tests/fixtures/golden" / name; }
+
+TEST(CliPlan, Llama31_8bBf16FrozenWeightsAndAdapterCountAreExact) {
+  const nlohmann::json plan = plan_json("--model llama-3.1-8b --bf16 --lora_r 16 --lora_alpha 16 --lora_target_modules all-linear --batch 2 --seq 2048");
+  EXPECT_EQ(plan["categories"]["frozen_weights"].get<uint64_t>(), 8030261248ull * 2);
+  EXPECT_EQ(plan["frozen_parameters"].get<int64_t>(), 8030261248ll);
+  EXPECT_EQ(plan["trainable_parameters"].get<int64_t>(), 41943040);
+  // fp32 masters + bf16 copies, fp32 grads, two fp32 moments.
+  EXPECT_EQ(plan["categories"]["adapters"].get<uint64_t>(), 41943040ull * 6);
+  EXPECT_EQ(plan["categories"]["adapter_grads"].get<uint64_t>(), 41943040ull * 4);
+  EXPECT_EQ(plan["categories"]["optimizer_state"].get<uint64_t>(), 41943040ull * 8);
+}
+
+TEST(CliPlan, ActivationsMoveWithCheckpointingAndAttention) {
+  const std::string base = "--model llama-3.1-8b --bf16 --batch 2 --seq 2048 ";
+  const nlohmann::json eager = plan_json(base);
+  const nlohmann::json ckpt = plan_json(base + "--gradient_checkpointing");
+  const nlohmann::json flash = plan_json(base + "--attn_implementation flash");
+  const auto saved = [](const nlohmann::json& p) { return p["max_by_category"]["saved_activations"].get<uint64_t>(); };
+  // Eager keeps bf16 probabilities of 32 heads x 2048 x 2048 x batch 2 in each of 32 layers;
+  // flash keeps instead an fp32 logsumexp per row.
+  const uint64_t probs = 2ull * 32 * 2048 * 2048 * 2 * 32;
+  const uint64_t lse = 2ull * 32 * 2048 * 4 * 32;
+  EXPECT_EQ(saved(eager) - saved(flash), probs - lse);
+  EXPECT_LT(saved(ckpt) * 10, saved(eager));
+  // Under checkpointing the saved activations are the 33 residual-stream tensors (+ the batch).
+  EXPECT_EQ(saved(ckpt) / (2ull * 2048 * 4096 * 2), 33ull);
+  EXPECT_LT(plan_json(base + "--gradient_checkpointing --attn_implementation flash --loss_implementation chunked")["peak_bytes"].get<uint64_t>(),
+            plan_json(base + "--gradient_checkpointing --attn_implementation flash")["peak_bytes"].get<uint64_t>());
+}
+
+TEST(CliPlan, Llama31_70bPlansWellUnderASecond) {
+  const nlohmann::json plan = plan_json("--model llama-3.1-70b --bf16 --batch 1 --seq 2048 --gradient_checkpointing");
+  EXPECT_LT(plan["planning_seconds"].get<double>(), 0.5);
+  EXPECT_GT(plan["frozen_parameters"].get<int64_t>(), 70000000000ll);
+}
+
+TEST(CliPlan, VramBudgetRefusesWithAdvice) {
+  const Result r = memtune_cli("plan --model llama-3.1-8b --bf16 --batch 2 --seq 2048 --vram 24GiB");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("does not fit --vram 24GiB"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("--gradient_checkpointing"), std::string::npos) << r.output;
+  EXPECT_EQ(memtune_cli("plan --model tiny --vram 24GiB").exit_code, 0);
+}
+
+TEST(CliEval, ReproducesTheLossOfTransformersAndPeft) {
+  for (const char* name : {"gqa_rope", "tied_odd"}) {
+    const fs::path dir = temp_dir(std::string("eval_") + name);
+    const memtune::SafetensorsFile batch = memtune::SafetensorsFile::open(golden(name) / "batch.safetensors");
+    const auto& ids = batch.get("input_ids");
+    const auto& labels = batch.get("labels");
+    std::ofstream out(dir / "batch.jsonl");
+    for (int64_t r = 0; r < ids.shape[0]; ++r) {
+      nlohmann::json row_ids = nlohmann::json::array(), row_labels = nlohmann::json::array();
+      for (int64_t t = 0; t < ids.shape[1]; ++t) {
+        int32_t v;
+        std::memcpy(&v, ids.data + 4 * (r * ids.shape[1] + t), 4);
+        row_ids.push_back(v);
+        std::memcpy(&v, labels.data + 4 * (r * ids.shape[1] + t), 4);
+        row_labels.push_back(v);
+      }
+      out << nlohmann::json{{"input_ids", row_ids}, {"labels", row_labels}}.dump() << "\n";
+    }
+    out.close();
+    const Result r = memtune_cli("eval --model " + golden(name).string() + " --adapter " + (golden(name) / "adapter").string() +
+                                 " --lora_r 4 --lora_alpha 8 --data " + (dir / "batch.jsonl").string());
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    std::ifstream in(golden(name) / "eval.json");
+    const nlohmann::json expected = nlohmann::json::parse(in);
+    const double want = expected.contains("loss_with_adapter") ? expected["loss_with_adapter"].get<double>() : expected["loss"].get<double>();
+    EXPECT_NEAR(nlohmann::json::parse(r.output)["loss"].get<double>(), want, 1e-5 * want) << r.output;
+  }
+}
+
+TEST(CliTrain, OneStepFromAPeftAdapterMatchesTransformers) {
+  const std::string name = "gqa_rope";
+  const fs::path dir = temp_dir("train_init_adapter");
+  const memtune::SafetensorsFile train = memtune::SafetensorsFile::open(golden(name) / "train.safetensors");
+  const auto& ids = train.get("input_ids");  // [step, micro, batch, seq]
+  const auto& labels = train.get("labels");
+  const int64_t micro = ids.shape[1], rows = ids.shape[2], seq = ids.shape[3];
+  std::ofstream out(dir / "step1.jsonl");
+  for (int64_t r = 0; r < micro * rows; ++r) {  // step 0's sequences, micro-batch by micro-batch
+    nlohmann::json row_ids = nlohmann::json::array(), row_labels = nlohmann::json::array();
+    for (int64_t t = 0; t < seq; ++t) {
+      int32_t v;
+      std::memcpy(&v, ids.data + 4 * (r * seq + t), 4);
+      row_ids.push_back(v);
+      std::memcpy(&v, labels.data + 4 * (r * seq + t), 4);
+      row_labels.push_back(v);
+    }
+    out << nlohmann::json{{"input_ids", row_ids}, {"labels", row_labels}}.dump() << "\n";
+  }
+  out.close();
+  const Result r = memtune_cli(fmt::format(
+      "train --model {} --init-adapter {} --lora_r 4 --lora_alpha 8 --data {} --batch {} --accum {} --seq {} "
+      "--max_steps 1 --learning_rate 1e-2 --weight_decay 0.01 --max_grad_norm 1.0 --device cpu --out {}",
+      golden(name).string(), (golden(name) / "adapter").string(), (dir / "step1.jsonl").string(), rows, micro, seq,
+      (dir / "out").string()));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const memtune::SafetensorsCheckpoint adapter = memtune::SafetensorsCheckpoint::open(dir / "out/adapter", "adapter_model.safetensors");
+  ASSERT_FALSE(adapter.names().empty());
+  for (const std::string& key : adapter.names()) {
+    const auto& got = adapter.get(key);
+    const auto& want = train.get("after_step1." + key);
+    const auto& grad = train.get("step1_grad." + key);
+    ASSERT_EQ(got.nbytes, want.nbytes) << key;
+    for (size_t e = 0; e < got.nbytes / 4; ++e) {
+      float g, w, d;
+      std::memcpy(&g, got.data + 4 * e, 4);
+      std::memcpy(&w, want.data + 4 * e, 4);
+      std::memcpy(&d, grad.data + 4 * e, 4);
+      if (std::abs(d) > 1e-5f) ASSERT_NEAR(g, w, 1e-4f * (1 + std::abs(w))) << key << "[" << e << "]";
+    }
+  }
+  std::ifstream config(dir / "out/adapter/adapter_config.json");
+  const nlohmann::json c = nlohmann::json::parse(config);
+  EXPECT_EQ(c["peft_type"], "LORA");
+  EXPECT_EQ(c["r"], 4);
+}
+
+TEST(CliErrors, BadInputGetsAClearMessageAndNonZeroExit) {
+  const fs::path dir = temp_dir("errors");
+  auto write = [&](const std::string& file, const std::string& text) {
+    std::ofstream(dir / file) << text;
+    return (dir / file).string();
+  };
+  struct Case {
+    std::string args, expected;
+  };
+  fs::create_directories(dir / "bad_type");
+  write("bad_type/config.json", R"({"model_type": "gpt2", "hidden_size": 8})");
+  fs::create_directories(dir / "missing_field");
+  write("missing_field/config.json", R"({"model_type": "llama", "hidden_size": 8})");
+  fs::create_directories(dir / "not_json");
+  write("not_json/config.json", "{ this is not json");
+  const std::string bad_jsonl = write("bad.jsonl", "{\"input_ids\": [1, 2, 3]}\n{\"input_ids\": [1, 2,\n");
+  const std::string empty_jsonl = write("empty.jsonl", "\n");
+  const std::string big_id = write("big_id.jsonl", "{\"input_ids\": [1, 999999]}\n");
+  const std::vector<Case> cases = {
+      {"plan --model " + (dir / "bad_type").string(), "unsupported model_type"},
+      {"plan --model " + (dir / "missing_field").string(), "missing required field \"intermediate_size\""},
+      {"plan --model " + (dir / "not_json").string(), "not valid JSON"},
+      {"plan --model no-such-model", "not a preset"},
+      {"plan --bf16 --fp16", "exclude each other"},
+      {"plan --attn_implementation magic", "attn_implementation 'magic'"},
+      {"plan --lora_target_modules q_proj,foo", "unknown module 'foo'"},
+      {"plan --seq 1", "max_seq_length must be >= 2"},
+      {"plan --vram 24parsecs", "unknown byte unit"},
+      {"train --device cpu --max_steps 1 --data " + bad_jsonl, "bad.jsonl:2"},
+      {"train --device cpu --max_steps 1 --data " + empty_jsonl, "holds no samples"},
+      {"train --device cpu --max_steps 1 --data " + big_id, "outside the model's vocabulary"},
+      {"train --device cpu --max_steps 1 --data " + (dir / "missing.jsonl").string(), "cannot open dataset"},
+      {"train --device cpu --max_steps 1 --init-adapter " + (dir / "nowhere").string(), "nowhere"},
+  };
+  for (const Case& c : cases) {
+    const Result r = memtune_cli(c.args);
+    EXPECT_NE(r.exit_code, 0) << c.args << "\n" << r.output;
+    EXPECT_NE(r.output.find(c.expected), std::string::npos) << c.args << "\n" << r.output;
+  }
+  // --on-bad-line=skip trains on the good lines.
+  EXPECT_EQ(memtune_cli("train --device cpu --max_steps 1 --seq 8 --quiet --on-bad-line skip --data " + bad_jsonl).exit_code, 0);
+}
+
+}  // namespace
