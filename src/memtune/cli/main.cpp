@@ -135,6 +135,13 @@ int run_cli(int argc, char** argv) {
   }
 
   if (ladder_cmd->parsed()) {
+    // The seed run's shape unless told otherwise: micro-batch 2 x accumulation 8, seq 2048
+    // (256 for the embedded tiny model, which runs on the CPU in seconds).
+    const bool tiny = model.hidden_size <= 256;
+    if (ladder_cmd->count("--per_device_train_batch_size") == 0) run.per_device_train_batch_size = 2;
+    if (ladder_cmd->count("--gradient_accumulation_steps") == 0) run.gradient_accumulation_steps = 8;
+    if (ladder_cmd->count("--max_seq_length") == 0) run.max_seq_length = tiny ? 256 : 2048;
+    if (ladder_cmd->count("--loss_chunk_tokens") == 0) run.loss_chunk_tokens = tiny ? 128 : 1024;
     LadderOptions options;
     options.base = run;
     options.device = device;
