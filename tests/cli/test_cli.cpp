@@ -82,6 +82,15 @@ TEST(CliPlan, Llama31_70bPlansWellUnderASecond) {
   EXPECT_GT(plan["frozen_parameters"].get<int64_t>(), 70000000000ll);
 }
 
+TEST(CliPlan, RunYamlSetsDefaultsThatFlagsOverride) {
+  const std::string yaml = (fs::path(MEMTUNE_SOURCE_DIR) / "configs/runs/llama-3.1-8b_lora_bf16.yaml").string();
+  const nlohmann::json from_yaml = plan_json("--config " + yaml);
+  EXPECT_EQ(from_yaml["run"]["max_seq_length"], 2048);
+  EXPECT_EQ(from_yaml["run"]["precision"], "bf16");
+  EXPECT_EQ(from_yaml["run"]["attn_implementation"], "flash");
+  EXPECT_EQ(plan_json("--config " + yaml + " --seq 1024")["run"]["max_seq_length"], 1024);
+}
+
 TEST(CliPlan, VramBudgetRefusesWithAdvice) {
   const Result r = memtune_cli("plan --model llama-3.1-8b --bf16 --batch 2 --seq 2048 --vram 24GiB");
   EXPECT_NE(r.exit_code, 0);
@@ -184,7 +193,12 @@ TEST(CliErrors, BadInputGetsAClearMessageAndNonZeroExit) {
   const std::string bad_jsonl = write("bad.jsonl", "{\"input_ids\": [1, 2, 3]}\n{\"input_ids\": [1, 2,\n");
   const std::string empty_jsonl = write("empty.jsonl", "\n");
   const std::string big_id = write("big_id.jsonl", "{\"input_ids\": [1, 999999]}\n");
+  const std::string bad_yaml = write("bad.yaml", "foo: 1\n");
+  const std::string wrong_type_yaml = write("wrong.yaml", "lora_r: sixteen\n");
   const std::vector<Case> cases = {
+      {"plan --config " + bad_yaml, "unknown option 'foo'"},
+      {"plan --config " + wrong_type_yaml, "'lora_r' has a value of the wrong type"},
+      {"plan --config " + (dir / "none.yaml").string(), "cannot open run config"},
       {"plan --model " + (dir / "bad_type").string(), "unsupported model_type"},
       {"plan --model " + (dir / "missing_field").string(), "missing required field \"intermediate_size\""},
       {"plan --model " + (dir / "not_json").string(), "not valid JSON"},

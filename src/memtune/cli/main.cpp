@@ -16,11 +16,8 @@
 #include "memtune/plan/plan_report.h"
 #include "memtune/report/ladder.h"
 #include "memtune/train/engine_arena.h"
+#include "memtune/train/yaml_config.h"
 
-#if __has_include("memtune/report/ladder_report.h")
-#include "memtune/report/ladder_report.h"
-#define MEMTUNE_HAS_LADDER_REPORT 1
-#endif
 
 namespace memtune {
 namespace {
@@ -117,6 +114,12 @@ int run_cli(int argc, char** argv) {
   ladder_cmd->add_option("--device", device)->capture_default_str();
   ladder_cmd->add_flag("--quiet", quiet);
 
+  // A run YAML (--config FILE) sets defaults that the flags then override.
+  for (int i = 1; i + 1 < argc; ++i)
+    if (std::string(argv[i]) == "--config") apply_run_yaml(argv[i + 1], run);
+  std::string config_path;
+  for (CLI::App* command : {plan_cmd, train_cmd, eval_cmd, ladder_cmd})
+    command->add_option("--config", config_path, "run YAML in HF option names (configs/runs/)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -158,13 +161,8 @@ int run_cli(int argc, char** argv) {
     const nlohmann::json ladder = run_ladder(options);
     if (out_dir.empty()) out_dir = "ladder-out";
     std::filesystem::create_directories(out_dir);
-#ifdef MEMTUNE_HAS_LADDER_REPORT
-    write_ladder_outputs(ladder, out_dir);
-    std::cout << ladder_terminal_table(ladder);
-#else
     write_file_atomic(std::filesystem::path(out_dir) / "ladder.json", ladder.dump(2) + "\n");
     std::cout << ladder.dump(2) << "\n";
-#endif
     std::cout << "wrote " << out_dir << "\n";
     return 0;
   }

@@ -1,0 +1,85 @@
+#include "memtune/train/yaml_config.h"
+
+#include <yaml-cpp/yaml.h>
+
+#include <functional>
+#include <map>
+
+#include "memtune/core/error.h"
+
+namespace memtune {
+
+void apply_run_yaml(const std::filesystem::path& path, RunConfig& run) {
+  YAML::Node root;
+  try {
+    root = YAML::LoadFile(path.string());
+  } catch (const YAML::BadFile&) {
+    mt_fail("cannot open run config {}", path.string());
+  } catch (const YAML::Exception& e) {
+    mt_fail("{}: not valid YAML: {}", path.string(), e.what());
+  }
+  if (root.IsNull()) return;
+  MT_USER_CHECK(root.IsMap(), "{}: expected a mapping of option: value", path.string());
+  using Setter = std::function<void(const YAML::Node&)>;
+  auto set = [](auto& field) {
+    return Setter([&field](const YAML::Node& n) { field = n.as<std::remove_reference_t<decltype(field)>>(); });
+  };
+  const std::map<std::string, Setter> setters = {
+      {"model", set(run.model)},
+      {"bf16", [&](const YAML::Node& n) { if (n.as<bool>()) run.precision = Precision::bf16; }},
+      {"fp16", [&](const YAML::Node& n) { if (n.as<bool>()) run.precision = Precision::fp16; }},
+      {"gradient_checkpointing", set(run.gradient_checkpointing)},
+      {"attn_implementation", set(run.attn_implementation)},
+      {"loss_implementation", set(run.loss_implementation)},
+      {"loss_chunk_tokens", set(run.loss_chunk_tokens)},
+      {"per_device_train_batch_size", set(run.per_device_train_batch_size)},
+      {"gradient_accumulation_steps", set(run.gradient_accumulation_steps)},
+      {"max_seq_length", set(run.max_seq_length)},
+      {"lora_r", set(run.lora_r)},
+      {"lora_alpha", set(run.lora_alpha)},
+      {"lora_dropout", set(run.lora_dropout)},
+      {"use_rslora", set(run.use_rslora)},
+      {"lora_target_modules", [&](const YAML::Node& n) {
+         if (n.IsSequence()) {
+           std::string joined;
+           for (const YAML::Node& item : n) joined += (joined.empty() ? "" : ",") + item.as<std::string>();
+           run.lora_target_modules = joined;
+         } else {
+           run.lora_target_modules = n.as<std::string>();
+         }
+       }},
+      {"learning_rate", set(run.learning_rate)},
+      {"weight_decay", set(run.weight_decay)},
+      {"adam_beta1", set(run.adam_beta1)},
+      {"adam_beta2", set(run.adam_beta2)},
+      {"adam_epsilon", set(run.adam_epsilon)},
+      {"max_grad_norm", set(run.max_grad_norm)},
+      {"lr_scheduler_type", [&](const YAML::Node& n) {
+         const std::string s = n.as<std::string>();
+         if (s == "constant") run.lr_scheduler_type = LrSchedule::constant;
+         else if (s == "linear") run.lr_scheduler_type = LrSchedule::linear;
+         else if (s == "cosine") run.lr_scheduler_type = LrSchedule::cosine;
+         else mt_fail("lr_scheduler_type {}: expected constant, linear or cosine", s);
+       }},
+      {"warmup_steps", set(run.warmup_steps)},
+      {"max_steps", set(run.max_steps)},
+      {"seed", set(run.seed)},
+  };
+  bool bf16 = false, fp16 = false;
+  for (const auto& item : root) {
+    const std::string key = item.first.as<std::string>();
+    auto it = setters.find(key);
+    MT_USER_CHECK(it != setters.end(), "{}: unknown option '{}'", path.string(), key);
+    try {
+      it->second(item.second);
+    } catch (const YAML::Exception&) {
+      mt_fail("{}: option '{}' has a value of the wrong type", path.string(), key);
+    }
+    if (key == "bf16") bf16 = item.second.as<bool>();
+    if (key == "fp16") fp16 = item.second.as<bool>();
+  }
+  MT_USER_CHECK(!(bf16 && fp16), "{}: bf16 and fp16 exclude each other", path.string());
+  run.validate();
+}
+
+}  // namespace memtune

@@ -1,0 +1,14 @@
+// Run YAMLs in Hugging Face names (configs/runs/*.yaml). Resolution order: defaults, then the
+// YAML file, then command-line flags.
+#pragma once
+
+#include <filesystem>
+
+#include "memtune/train/run_config.h"
+
+namespace memtune {
+
+// Applies the file's keys to `run`. Unknown keys and wrong types are errors naming the key.
+void apply_run_yaml(const std::filesystem::path& path, RunConfig& run);
+
+}  // namespace memtune
