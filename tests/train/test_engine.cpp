@@ -14,6 +14,8 @@ using namespace memtune;
 
 namespace {
 
+using HostTensorF32 = std::vector<float>;
+
 LlamaConfig small_model() {
   LlamaConfig c = resolve_model("tiny").config;
   c.num_hidden_layers = 2;
@@ -146,6 +148,46 @@ TEST(Engine, Bf16StepIsCloseToFp32) {
     EXPECT_NEAR(got.loss, reference.loss, 2e-2 * reference.loss);
     EXPECT_LT(rel_error(got.grads, reference.grads), 5e-2) << precision_name(p);
     EXPECT_GT(rel_error(got.grads, reference.grads), 0.0) << "16-bit storage changed nothing";
+  }
+}
+
+TEST(Engine, QloraStepEqualsBf16StepOnTheDequantizedWeights) {
+  const LlamaConfig model = small_model();
+  for (const bool double_quant : {true, false}) {
+    RunConfig qlora_run = small_run();
+    qlora_run.precision = Precision::bf16;
+    qlora_run.load_in_4bit = true;
+    qlora_run.quant.double_quant = double_quant;
+    RunConfig dense_run = qlora_run;
+    dense_run.load_in_4bit = false;
+    auto cpu = make_cpu_backend();
+    PlannedEngine qlora(*cpu, qlora_run, model);
+    PlannedEngine dense(*cpu, dense_run, model);
+    qlora->init_random_weights(7);
+    dense->init_random_weights(7);
+    // The dense engine gets exactly what the 4-bit base dequantizes to.
+    const ModelWeights& qw = qlora->weights();
+    for (size_t i = 0; i < qw.table.size(); ++i) {
+      if (!qw.is_quantized(i)) continue;
+      const ParamSpec& spec = qw.table[i];
+      HostTensorF32 host(spec.shape.numel());
+      Tensor view{host.data(), DType::f32, spec.shape, Device::cpu};
+      cpu->dequantize_4bit(view, qw.layers[spec.layer].quantized[static_cast<int>(spec.projection)]);
+      dense->weights().upload(*cpu, i, host.data(), DType::f32);
+    }
+    for (PlannedEngine* e : {&qlora, &dense}) {
+      (*e)->init_adapters(11);
+      for (const LoraTensors& t : (*e)->lora().tensors()) cpu->fill_random(t.b, Backend::Distribution::normal, 0.0f, 0.05f, 3);
+      (*e)->lora().sync_compute_copies(*cpu);
+    }
+    const auto batches = random_batches(model, qlora_run, 2, 5);
+    const StepReport a = qlora->train_step(batches);
+    const StepReport b = dense->train_step(batches);
+    EXPECT_NEAR(a.loss, b.loss, 1e-6 * b.loss);
+    EXPECT_LT(rel_error(all_grads(qlora.engine()), all_grads(dense.engine())), 1e-6);
+    // And the 4-bit base is a real approximation: its plan is smaller.
+    EXPECT_LT(qlora.plan().at_peak[static_cast<int>(MemCategory::frozen_weights)],
+              dense.plan().at_peak[static_cast<int>(MemCategory::frozen_weights)]);
   }
 }
 

@@ -109,7 +109,7 @@ int run_cli(int argc, char** argv) {
   add_run_options(*ladder_cmd, run, flags);
   ladder_cmd->add_option("--vram", vram, "budget, e.g. 24GiB");
   ladder_cmd->add_option("--out", out_dir, "folder for ladder.json (and report.md, ladder.csv, ladder.svg)")->capture_default_str();
-  ladder_cmd->add_option("--order", order, "comma list of: bf16,gradient_checkpointing,flash,chunked_loss,micro_batch,seq_halved");
+  ladder_cmd->add_option("--order", order, "comma list of: bf16,gradient_checkpointing,flash,qlora,chunked_loss,micro_batch,seq_halved");
   ladder_cmd->add_option("--steps-per-rung", ladder_steps, "optimizer steps measured per rung")->capture_default_str();
   ladder_cmd->add_option("--device", device)->capture_default_str();
   ladder_cmd->add_flag("--quiet", quiet);

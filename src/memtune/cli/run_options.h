@@ -10,6 +10,7 @@ namespace memtune {
 struct RunFlags {
   bool bf16 = false, fp16 = false, fp32 = false;
   std::string lr_scheduler_type = "constant";
+  std::string quant_type = "nf4";
 };
 
 inline void add_run_options(CLI::App& app, RunConfig& run, RunFlags& flags) {
@@ -39,6 +40,11 @@ inline void add_run_options(CLI::App& app, RunConfig& run, RunFlags& flags) {
   app.add_option("--warmup_steps", run.warmup_steps)->capture_default_str();
   app.add_option("--max_steps,--steps", run.max_steps, "optimizer steps")->capture_default_str();
   app.add_option("--seed", run.seed)->capture_default_str();
+  app.add_flag("--load_in_4bit", run.load_in_4bit, "QLoRA: a frozen 4-bit base (bitsandbytes format)");
+  app.add_option("--bnb_4bit_quant_type", flags.quant_type, "nf4 | fp4")->capture_default_str();
+  app.add_option("--bnb_4bit_use_double_quant", run.quant.double_quant, "true | false")->capture_default_str();
+  app.add_option("--bnb_4bit_blocksize", run.quant.blocksize)->capture_default_str();
+  app.add_option("--bnb_4bit_compute_dtype", run.bnb_4bit_compute_dtype, "bfloat16 | float16 | float32 (must match the precision)");
 }
 
 // Applies the flags that need resolving; throws memtune::Error on contradictions.
@@ -52,6 +58,7 @@ inline void resolve_run_flags(RunConfig& run, const RunFlags& flags) {
   else if (flags.lr_scheduler_type == "linear") run.lr_scheduler_type = LrSchedule::linear;
   else if (flags.lr_scheduler_type == "cosine") run.lr_scheduler_type = LrSchedule::cosine;
   else mt_fail("--lr_scheduler_type {}: expected constant, linear or cosine", flags.lr_scheduler_type);
+  run.quant.type = parse_quant_type(flags.quant_type, "--bnb_4bit_quant_type");
   if (run.attn_implementation == "flash_attention_2" || run.attn_implementation == "sdpa")
     run.attn_implementation = "flash";
   run.validate();

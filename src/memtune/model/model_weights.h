@@ -6,14 +6,16 @@
 
 #include "memtune/core/memory.h"
 #include "memtune/model/param_table.h"
+#include "memtune/ops/backend.h"
 
 namespace memtune {
 
-class Backend;
-
 struct LayerWeights {
   Tensor input_norm, post_norm;
-  std::array<Tensor, kNumProjections> projections;  // indexed by Projection, [out, in]
+  // Indexed by Projection, [out, in]. With a 4-bit base the dense tensor is empty and the
+  // quantized form holds the weight.
+  std::array<Tensor, kNumProjections> projections;
+  std::array<Quantized4bit, kNumProjections> quantized;
 };
 
 struct ModelWeights {
@@ -22,11 +24,17 @@ struct ModelWeights {
   Tensor embed_tokens, final_norm, lm_head;  // lm_head aliases embed_tokens when tied
   std::vector<LayerWeights> layers;
 
-  // Allocates every parameter (category frozen_weights) in `storage` dtype.
-  static ModelWeights allocate(Memory& memory, const LlamaConfig& config, DType storage);
+  // Allocates every parameter (category frozen_weights) in `storage` dtype; with `quant`, the
+  // seven projections are stored in 4 bits (codes: frozen_weights; absmax and maps:
+  // quant_constants) and embeddings, norms and the LM head stay in `storage`.
+  static ModelWeights allocate(Memory& memory, const LlamaConfig& config, DType storage,
+                               const QuantConfig* quant = nullptr);
   // Seeded random init as transformers does it: normal(0, initializer_range) for matrices,
   // ones for norms. Memory and speed do not depend on the values.
-  void init_random(Backend& backend, const LlamaConfig& config, uint64_t seed) const;
+  void init_random(Backend& backend, const LlamaConfig& config, uint64_t seed);
+  // Stores table[index] from host data (f32/f16/bf16), converting or quantizing it.
+  void upload(Backend& backend, size_t index, const void* host, DType host_dtype);
+  bool is_quantized(size_t index) const;
   int64_t parameter_count() const { return count_parameters(table); }
 };
 

@@ -23,6 +23,35 @@ float random_value(Backend::Distribution distribution, float a, float b, uint64_
   return static_cast<float>(a + b * normal);
 }
 
+void Backend::dequantize_4bit(const Tensor& out, const Quantized4bit& q) {
+  if (device() == Device::meta) return;
+  MT_ASSERT(out.shape.numel() == q.shape.numel(), "dequantize {} into {}", q.shape.str(), out.shape.str());
+  QuantizedWeight host;
+  host.config = q.config;
+  host.shape = q.shape;
+  const auto fetch_bytes = [&](const Tensor& t, std::vector<uint8_t>& dst) {
+    dst.resize(t.nbytes());
+    copy_to_host(dst.data(), t);
+  };
+  const auto fetch_floats = [&](const Tensor& t, std::vector<float>& dst) {
+    dst.resize(t.numel());
+    copy_to_host(dst.data(), t);
+  };
+  fetch_bytes(q.packed, host.packed);
+  fetch_floats(q.code_map, host.quant_map);
+  if (q.config.double_quant) {
+    fetch_bytes(q.absmax, host.absmax_codes);
+    fetch_floats(q.nested_absmax, host.nested_absmax);
+    fetch_floats(q.nested_map, host.nested_quant_map);
+    host.nested_offset = q.nested_offset;
+  } else {
+    fetch_floats(q.absmax, host.absmax);
+  }
+  std::vector<uint8_t> dense(out.nbytes());
+  memtune::dequantize_4bit(host, dense.data(), out.dtype);
+  copy_from_host(out, dense.data());
+}
+
 void Backend::fill_random(const Tensor& dst, Distribution distribution, float a, float b,
                           uint64_t seed) {
   if (device() == Device::meta) return;

@@ -19,6 +19,7 @@
 #include <memory>
 
 #include "memtune/core/tensor.h"
+#include "memtune/quant/nf4.h"
 
 namespace memtune {
 
@@ -33,6 +34,19 @@ struct AdamWParams {
   float lr = 1e-3f, beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f, weight_decay = 1e-2f;
   int64_t step = 1;          // 1-based, after increment (torch semantics, SPECS.md §8)
   float grad_scale = 1.0f;   // applied to the stored grad first: fp16 unscale times clip coef
+};
+
+// A frozen linear weight in bitsandbytes' 4-bit form (SPECS.md §1), on a backend's device.
+struct Quantized4bit {
+  QuantConfig config;
+  Shape shape;           // [out, in] of the dense weight
+  Tensor packed;         // u8 [(n + 1) / 2]; element 2j in the high nibble
+  Tensor absmax;         // f32 [blocks] without double quant; u8 codes [blocks] with it
+  Tensor nested_absmax;  // f32 [nested blocks] (double quant)
+  Tensor code_map;       // f32 [16]: the nf4 or fp4 values
+  Tensor nested_map;     // f32 [256]: the signed dynamic map (double quant)
+  float nested_offset = 0.0f;
+  bool empty() const { return packed.empty(); }
 };
 
 class Backend {
@@ -143,6 +157,12 @@ class Backend {
                           const Tensor& exp_avg_sq, const AdamWParams& params) = 0;
   // dst *= value
   virtual void scale(const Tensor& dst, float value) = 0;
+
+  // ---- QLoRA ----------------------------------------------------------------------------------
+  // out (compute dtype, shape q.shape) = lut[code] * absmax per block, in fp32 then rounded once.
+  // The default copies to the host and uses the reference (quant/nf4.h); device backends may
+  // override it with a kernel.
+  virtual void dequantize_4bit(const Tensor& out, const Quantized4bit& q);
 
   // ---- initialisation -----------------------------------------------------------------------
   // Seeded random fill from a counter-based hash of (seed, element index), so that every

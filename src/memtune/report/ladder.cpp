@@ -26,6 +26,11 @@ const std::vector<Trick>& tricks() {
       {"bf16", "+ bf16", [](RunConfig& r) { r.precision = Precision::bf16; }},
       {"gradient_checkpointing", "+ gradient checkpointing", [](RunConfig& r) { r.gradient_checkpointing = true; }},
       {"flash", "+ flash attention", [](RunConfig& r) { r.attn_implementation = "flash"; }},
+      {"qlora", "+ QLoRA (nf4, double quant)", [](RunConfig& r) {
+         r.load_in_4bit = true;
+         r.quant = QuantConfig{};  // nf4, blocksize 64, double quant
+         if (r.precision == Precision::fp32) r.precision = Precision::bf16;
+       }},
       {"chunked_loss", "+ chunked loss", [](RunConfig& r) { r.loss_implementation = "chunked"; }},
       {"micro_batch", "micro-batch 1 x more accumulation", [](RunConfig& r) {
          r.gradient_accumulation_steps *= r.per_device_train_batch_size;
@@ -37,7 +42,7 @@ const std::vector<Trick>& tricks() {
 }
 
 std::vector<std::string> techniques_of(const RunConfig& r) {
-  return {std::string(precision_name(r.precision)), r.attn_implementation,
+  return {std::string(precision_name(r.precision)) + (r.load_in_4bit ? "+nf4-base" : ""), r.attn_implementation,
           r.gradient_checkpointing ? "checkpointing" : "no-checkpointing",
           r.loss_implementation + "-loss",
           fmt::format("batch {} x accumulation {}", r.per_device_train_batch_size, r.gradient_accumulation_steps),
@@ -143,9 +148,7 @@ nlohmann::json run_ladder(const LadderOptions& options) {
   nlohmann::json ladder = {
       {"config", run_config_json(run, source.config)},
       {"device", device}, {"device_context_bytes", context_bytes},
-      {"commit", options.commit}, {"date", options.date}, {"budget_bytes", options.budget_bytes},
-      {"unavailable", nlohmann::json::array({{{"name", "+ QLoRA"},
-                                              {"reason", "the NF4 base is not wired into the engine yet"}}})}};
+      {"commit", options.commit}, {"date", options.date}, {"budget_bytes", options.budget_bytes}};
   ladder["config"]["steps_per_rung"] = options.steps;
   ladder["config"]["order"] = order;
   nlohmann::json rungs = nlohmann::json::array();

@@ -69,6 +69,20 @@ void LlamaStep::free_layer(LayerState& state, bool keep_input) {
   }
 }
 
+Tensor LlamaStep::frozen_weight(int layer, Projection p) {
+  const Quantized4bit& q = weights_.layers[layer].quantized[static_cast<int>(p)];
+  if (q.empty()) return weights_.layers[layer].projections[static_cast<int>(p)];
+  // QLoRA: one projection at a time is dequantized into compute-dtype scratch.
+  Tensor w = memory_.alloc(fmt::format("layers.{}.{}.dequantized", layer, projection_name(p)),
+                           MemCategory::workspace, options_.compute_dtype, q.shape);
+  backend_.dequantize_4bit(w, q);
+  return w;
+}
+
+void LlamaStep::release_frozen_weight(int layer, Projection p, const Tensor& w) {
+  if (!weights_.layers[layer].quantized[static_cast<int>(p)].empty()) memory_.free(w);
+}
+
 Tensor LlamaStep::lora_input_projection(int layer, Projection p, const Tensor& x,
                                         MemCategory u_category, uint64_t dropout_seed,
                                         bool training) {
@@ -90,8 +104,9 @@ Tensor LlamaStep::lora_input_projection(int layer, Projection p, const Tensor& x
 void LlamaStep::linear_forward(int layer, Projection p, const Tensor& x, const Tensor& y,
                                Tensor* lora_u, MemCategory u_category, uint64_t dropout_seed,
                                bool training) {
-  backend_.matmul(y, x, false, weights_.layers[layer].projections[static_cast<int>(p)], true,
-                  1.0f, 0.0f);
+  const Tensor w = frozen_weight(layer, p);
+  backend_.matmul(y, x, false, w, true, 1.0f, 0.0f);
+  release_frozen_weight(layer, p, w);
   const LoraTensors* adapter = lora_.find(layer, p);
   if (adapter == nullptr) return;
   Tensor u = lora_input_projection(layer, p, x, u_category, dropout_seed, training);
@@ -103,8 +118,9 @@ void LlamaStep::linear_forward(int layer, Projection p, const Tensor& x, const T
 void LlamaStep::linear_backward(int layer, Projection p, const Tensor& dy, const Tensor& x,
                                 const Tensor& lora_u, const Tensor& dx, bool accumulate,
                                 uint64_t dropout_seed) {
-  backend_.matmul(dx, dy, false, weights_.layers[layer].projections[static_cast<int>(p)], false,
-                  1.0f, accumulate ? 1.0f : 0.0f);
+  const Tensor w = frozen_weight(layer, p);
+  backend_.matmul(dx, dy, false, w, false, 1.0f, accumulate ? 1.0f : 0.0f);
+  release_frozen_weight(layer, p, w);
   const LoraTensors* adapter = lora_.find(layer, p);
   if (adapter == nullptr) return;
   const std::string name = fmt::format("layers.{}.{}", layer, projection_name(p));

@@ -73,6 +73,10 @@ class LlamaStep {
   Tensor layer_forward(int layer, LayerState& state, bool recompute, uint64_t dropout_seed,
                        bool training);
   void layer_backward(int layer, LayerState& state, const Tensor& d_resid, uint64_t dropout_seed);
+  // The dense [out, in] weight of a projection: the stored one, or (4-bit base) a dequantized
+  // copy in planned scratch, given back with release_frozen_weight.
+  Tensor frozen_weight(int layer, Projection p);
+  void release_frozen_weight(int layer, Projection p, const Tensor& w);
   // u = drop(x) A^T for the adapter on (layer, p).
   Tensor lora_input_projection(int layer, Projection p, const Tensor& x, MemCategory u_category,
                                uint64_t dropout_seed, bool training);

@@ -23,7 +23,8 @@ Engine::Engine(Backend& backend, void* arena, uint64_t arena_bytes, const RunCon
       run_(run),
       model_(model),
       memory_(backend.device(), arena, arena_bytes),
-      weights_(ModelWeights::allocate(memory_, model_, precision_dtype(run.precision))),
+      weights_(ModelWeights::allocate(memory_, model_, precision_dtype(run.precision),
+                                      run.load_in_4bit ? &run.quant : nullptr)),
       lora_(LoraState::allocate(memory_, model_, run.lora_config(), precision_dtype(run.precision),
                                 /*with_optimizer=*/true)),
       grad_norm_sq_(memory_.alloc("optimizer.grad_norm_sq", MemCategory::workspace, DType::f32, Shape{1})),
@@ -61,7 +62,10 @@ void Engine::load_base_checkpoint(const std::filesystem::path& checkpoint_path) 
     const ParamSpec& spec = weights_.table[i];
     const SafetensorsTensor& t = expect_tensor(checkpoint, spec.hf_key,
                                                {DType::f32, DType::f16, DType::bf16}, spec.shape);
-    upload_converted(backend_, weights_.tensors[i], t);
+    // safetensors data need not be aligned for its dtype: copy before reading it as numbers.
+    std::vector<uint8_t> aligned(t.nbytes);
+    std::memcpy(aligned.data(), t.data, t.nbytes);
+    weights_.upload(backend_, i, aligned.data(), t.dtype);
   }
 }
 

@@ -54,6 +54,7 @@ class Engine {
 
   Memory& memory() { return memory_; }
   const ModelWeights& weights() const { return weights_; }
+  ModelWeights& weights() { return weights_; }
   LoraState& lora() { return lora_; }
   const LlamaConfig& model() const { return model_; }
   const RunConfig& run() const { return run_; }

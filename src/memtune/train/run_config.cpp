@@ -44,6 +44,22 @@ void RunConfig::validate() const {
   MT_USER_CHECK(max_steps >= 0, "max_steps must be >= 0");
   MT_USER_CHECK(warmup_steps >= 0, "warmup_steps must be >= 0");
   LoraConfig::parse_targets(lora_target_modules);
+  if (load_in_4bit) {
+    validate_quant_config(quant);
+    if (!bnb_4bit_compute_dtype.empty()) {
+      const std::string& c = bnb_4bit_compute_dtype;
+      const Precision wanted = (c == "bfloat16" || c == "bf16") ? Precision::bf16
+                               : (c == "float16" || c == "fp16") ? Precision::fp16
+                               : (c == "float32" || c == "fp32") ? Precision::fp32
+                               : (mt_fail("bnb_4bit_compute_dtype {}: expected bfloat16, float16 or float32", c), Precision::fp32);
+      MT_USER_CHECK(wanted == precision,
+                    "bnb_4bit_compute_dtype {} contradicts the run's precision {}: the 4-bit base is "
+                    "dequantized into the run's compute dtype (use --{} or drop the option)",
+                    c, precision_name(precision), precision_name(wanted));
+    }
+  } else {
+    MT_USER_CHECK(bnb_4bit_compute_dtype.empty(), "bnb_4bit_compute_dtype needs --load_in_4bit");
+  }
 }
 
 StepOptions RunConfig::step_options() const {

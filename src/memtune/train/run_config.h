@@ -5,6 +5,7 @@
 #include <string>
 
 #include "memtune/lora/lora_config.h"
+#include "memtune/quant/nf4.h"
 #include "memtune/step/llama_step.h"
 
 namespace memtune {
@@ -38,6 +39,12 @@ struct RunConfig {
   int64_t warmup_steps = 0;
   int64_t max_steps = 10;
   uint64_t seed = 42;
+  // QLoRA, in bitsandbytes' names: load_in_4bit, bnb_4bit_quant_type (quant.type),
+  // bnb_4bit_use_double_quant (quant.double_quant), bnb_4bit_blocksize (quant.blocksize),
+  // bnb_4bit_compute_dtype (must be the run's 16-bit dtype).
+  bool load_in_4bit = false;
+  QuantConfig quant;
+  std::string bnb_4bit_compute_dtype;  // "" = the run's precision
 
   // Resolved from the above; throws memtune::Error on contradictions.
   StepOptions step_options() const;

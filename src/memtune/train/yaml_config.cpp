@@ -42,7 +42,10 @@ void apply_run_yaml(const std::filesystem::path& path, RunConfig& run) {
       {"lora_target_modules", [&](const YAML::Node& n) {
          if (n.IsSequence()) {
            std::string joined;
-           for (const YAML::Node& item : n) joined += (joined.empty() ? "" : ",") + item.as<std::string>();
+           for (const YAML::Node& item : n) {
+             if (!joined.empty()) joined += ',';
+             joined += item.as<std::string>();
+           }
            run.lora_target_modules = joined;
          } else {
            run.lora_target_modules = n.as<std::string>();
@@ -64,6 +67,11 @@ void apply_run_yaml(const std::filesystem::path& path, RunConfig& run) {
       {"warmup_steps", set(run.warmup_steps)},
       {"max_steps", set(run.max_steps)},
       {"seed", set(run.seed)},
+      {"load_in_4bit", set(run.load_in_4bit)},
+      {"bnb_4bit_quant_type", [&](const YAML::Node& n) { run.quant.type = parse_quant_type(n.as<std::string>(), "bnb_4bit_quant_type"); }},
+      {"bnb_4bit_use_double_quant", set(run.quant.double_quant)},
+      {"bnb_4bit_blocksize", set(run.quant.blocksize)},
+      {"bnb_4bit_compute_dtype", set(run.bnb_4bit_compute_dtype)},
   };
   bool bf16 = false, fp16 = false;
   for (const auto& item : root) {
