@@ -40,6 +40,24 @@ std::unique_ptr<Backend> make_backend(const std::string& device) {
   return make_cpu_backend();
 }
 
+uint64_t device_memory_in_use(const Backend& backend) {
+#ifdef MEMTUNE_WITH_CUDA
+  size_t free_bytes = 0, total_bytes = 0;
+  if (backend.device() == Device::cuda && cudaMemGetInfo(&free_bytes, &total_bytes) == cudaSuccess)
+    return total_bytes - free_bytes;
+#endif
+  return 0;
+}
+
+uint64_t device_memory_total(const Backend& backend) {
+#ifdef MEMTUNE_WITH_CUDA
+  size_t free_bytes = 0, total_bytes = 0;
+  if (backend.device() == Device::cuda && cudaMemGetInfo(&free_bytes, &total_bytes) == cudaSuccess)
+    return total_bytes;
+#endif
+  return 0;
+}
+
 std::string device_description(const Backend& backend) {
 #ifdef MEMTUNE_WITH_CUDA
   if (backend.device() == Device::cuda) {

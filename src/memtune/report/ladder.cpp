@@ -68,6 +68,7 @@ nlohmann::json measure_rung(const LadderOptions& options, const RunConfig& run, 
   if (!rung["fits_device"].get<bool>()) return rung;
 
   std::unique_ptr<Backend> backend = make_backend(options.device);
+  const uint64_t in_use_before = device_memory_in_use(*backend);
   PlannedEngine engine(*backend, run, model);
   engine->init_random_weights(run.seed);
   engine->init_adapters(run.seed + 1);
@@ -102,6 +103,12 @@ nlohmann::json measure_rung(const LadderOptions& options, const RunConfig& run, 
   const int64_t timed_steps = options.steps > 1 ? options.steps - 1 : 1;
   rung["measured"] = true;
   rung["engine_peak_bytes"] = engine->memory().allocator().high_water();
+  // Nothing is allocated inside the step, so memory in use now is the run's peak. Earlier
+  // rungs' memory is freed; the context (and library handles) is counted, as nvidia-smi does.
+  if (backend->device() != Device::cpu) {
+    rung["device_peak_bytes"] = device_memory_in_use(*backend);
+    rung["device_in_use_before_bytes"] = in_use_before;
+  }
   rung["step_seconds"] = timed_seconds / timed_steps;
   rung["tokens_per_second"] = timed_tokens / timed_seconds;
   rung["loss"] = loss;
@@ -126,10 +133,12 @@ nlohmann::json run_ladder(const LadderOptions& options) {
   std::unique_ptr<Backend> probe = make_backend(options.device);
   const bool on_cpu = probe->device() == Device::cpu;
   const std::string device = on_cpu ? "cpu (no GPU: embedded model on the CPU backend)" : device_description(*probe);
+  // The CUDA context and library handles, measured before any arena exists.
+  const uint64_t context_bytes = device_memory_in_use(*probe);
+  // The CPU rungs are bounded by host memory; keep them well inside the CI machine's. On a GPU
+  // leave 2% of the card for the allocator's own rounding.
+  const uint64_t device_capacity = on_cpu ? 8 * kGiB : device_memory_total(*probe) / 50 * 49;
   probe.reset();
-  // The CPU rungs are bounded by host memory; keep them well inside the CI machine's.
-  const uint64_t device_capacity = on_cpu ? 8 * kGiB : 0;
-  const uint64_t context_bytes = 0;
 
   std::vector<std::string> order = options.order.empty() ? ladder_trick_names() : options.order;
   for (const std::string& name : order) {
