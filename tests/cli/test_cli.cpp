@@ -99,6 +99,16 @@ TEST(CliPlan, VramBudgetRefusesWithAdvice) {
   EXPECT_EQ(memtune_cli("plan --model tiny --vram 24GiB").exit_code, 0);
 }
 
+TEST(CliFit, FindsTheFastestFittingSetAndRefusesTheImpossible) {
+  const Result r = memtune_cli("fit --model llama-3.1-8b --batch 2 --accum 8 --seq 2048 --vram 24GiB");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("fits at micro-batch"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("predicted peak with context"), std::string::npos) << r.output;
+  const Result none = memtune_cli("fit --model llama-3.1-70b --seq 2048 --vram 8GiB");
+  EXPECT_EQ(none.exit_code, 3) << none.output;
+  EXPECT_NE(none.output.find("nothing fits"), std::string::npos) << none.output;
+}
+
 TEST(CliEval, ReproducesTheLossOfTransformersAndPeft) {
   for (const char* name : {"gqa_rope", "tied_odd"}) {
     const fs::path dir = temp_dir(std::string("eval_") + name);

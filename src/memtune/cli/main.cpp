@@ -13,6 +13,7 @@
 #include "memtune/io/file_util.h"
 #include "memtune/model/llama_config.h"
 #include "memtune/ops/device.h"
+#include "memtune/plan/fit.h"
 #include "memtune/plan/plan_report.h"
 #include "memtune/report/ladder.h"
 #include "memtune/train/engine_arena.h"
@@ -105,6 +106,12 @@ int run_cli(int argc, char** argv) {
   eval_cmd->add_option("--tokenizer", tokenizer_path);
   eval_cmd->add_option("--device", device)->capture_default_str();
 
+  CLI::App* fit_cmd = app.add_subcommand("fit", "find, from the plan, the fastest techniques and largest micro-batch that fit --vram");
+  add_run_options(*fit_cmd, run, flags);
+  std::string context = "512MiB";
+  fit_cmd->add_option("--vram", vram, "budget, e.g. 24GiB")->required();
+  fit_cmd->add_option("--context", context, "CUDA context + library handles to reserve (the ladder measures it)")->capture_default_str();
+
   CLI::App* ladder_cmd = app.add_subcommand("ladder", "the memory ladder: apply memory techniques one at a time");
   add_run_options(*ladder_cmd, run, flags);
   ladder_cmd->add_option("--vram", vram, "budget, e.g. 24GiB");
@@ -118,7 +125,7 @@ int run_cli(int argc, char** argv) {
   for (int i = 1; i + 1 < argc; ++i)
     if (std::string(argv[i]) == "--config") apply_run_yaml(argv[i + 1], run);
   std::string config_path;
-  for (CLI::App* command : {plan_cmd, train_cmd, eval_cmd, ladder_cmd})
+  for (CLI::App* command : {plan_cmd, train_cmd, eval_cmd, ladder_cmd, fit_cmd})
     command->add_option("--config", config_path, "run YAML in HF option names (configs/runs/)");
   try {
     app.parse(argc, argv);
@@ -134,6 +141,15 @@ int run_cli(int argc, char** argv) {
     if (json) std::cout << plan_json(plan, run, model).dump(2) << "\n";
     else std::cout << format_plan(plan, run, model);
     check_budget(plan, run, model, vram);
+    return 0;
+  }
+
+  if (fit_cmd->parsed()) {
+    const FitResult fit = fit_run(run, model, parse_bytes(vram), parse_bytes(context));
+    std::cout << fit.explanation;
+    if (!fit.fits) return 3;
+    std::cout << format_plan(plan_run(fit.run, model), fit.run, model);
+    std::cout << fmt::format("predicted peak with context: {}\n", format_bytes(fit.with_context_bytes));
     return 0;
   }
 
