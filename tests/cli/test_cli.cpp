@@ -234,3 +234,38 @@ TEST(CliErrors, BadInputGetsAClearMessageAndNonZeroExit) {
 }
 
 }  // namespace
+
+namespace {
+
+TEST(CliLadder, CpuLadderWritesEveryRungWithEveryField) {
+  const fs::path dir = temp_dir("ladder");
+  const Result r = memtune_cli("ladder --model tiny --seq 64 --accum 2 --steps-per-rung 2 --vram 24GiB --quiet --device cpu --out " + dir.string());
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  std::ifstream in(dir / "ladder.json");
+  const nlohmann::json ladder = nlohmann::json::parse(in);
+  for (const char* key : {"config", "device", "commit", "rungs"}) EXPECT_TRUE(ladder.contains(key)) << key;
+  const std::vector<std::string> names = {"fp16 baseline", "+ bf16", "+ gradient checkpointing", "+ flash attention",
+                                          "+ QLoRA (nf4, double quant)", "+ chunked loss",
+                                          "micro-batch 1 x more accumulation", "max_seq_length halved"};
+  ASSERT_EQ(ladder["rungs"].size(), names.size());
+  for (size_t i = 0; i < names.size(); ++i) {
+    const nlohmann::json& rung = ladder["rungs"][i];
+    EXPECT_EQ(rung["name"], names[i]);
+    for (const char* key : {"name", "techniques", "planned", "planned_peak_bytes", "engine_peak_bytes", "device_peak_bytes",
+                            "fits_budget", "measured", "step_seconds", "tokens_per_second", "loss"})
+      EXPECT_TRUE(rung.contains(key)) << names[i] << " lacks " << key;
+    EXPECT_TRUE(rung["measured"].get<bool>()) << names[i];
+    EXPECT_EQ(rung["engine_peak_bytes"], rung["planned_peak_bytes"]) << names[i];
+    EXPECT_GT(rung["tokens_per_second"].get<double>(), 0) << names[i];
+    EXPECT_EQ(rung["planned"].size(), 10u);
+  }
+  EXPECT_TRUE(ladder["rungs"][0].contains("loss_scaler"));
+  for (const char* file : {"report.md", "ladder.csv", "ladder.svg"}) EXPECT_TRUE(fs::exists(dir / file)) << file;
+  // The SVG parses as XML.
+  if (std::system("python3 -c 'import xml.dom.minidom' >/dev/null 2>&1") == 0) {
+    const std::string command = "python3 -c 'import sys, xml.dom.minidom; xml.dom.minidom.parse(sys.argv[1])' " + (dir / "ladder.svg").string();
+    EXPECT_EQ(std::system(command.c_str()), 0);
+  }
+}
+
+}  // namespace

@@ -16,6 +16,7 @@
 #include "memtune/plan/fit.h"
 #include "memtune/plan/plan_report.h"
 #include "memtune/report/ladder.h"
+#include "memtune/report/ladder_report.h"
 #include "memtune/train/engine_arena.h"
 #include "memtune/train/yaml_config.h"
 
@@ -177,8 +178,8 @@ int run_cli(int argc, char** argv) {
     const nlohmann::json ladder = run_ladder(options);
     if (out_dir.empty()) out_dir = "ladder-out";
     std::filesystem::create_directories(out_dir);
-    write_file_atomic(std::filesystem::path(out_dir) / "ladder.json", ladder.dump(2) + "\n");
-    std::cout << ladder.dump(2) << "\n";
+    write_ladder_outputs(ladder, out_dir);
+    std::cout << ladder_terminal_table(ladder);
     std::cout << "wrote " << out_dir << "\n";
     return 0;
   }

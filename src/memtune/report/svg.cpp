@@ -213,6 +213,16 @@ void Document::polyline(const std::vector<std::pair<double, double>>& points,
   body_ += fmt::format("<polyline points=\"{}\" {}/>\n", coordinates, attributes);
 }
 
+void Document::polygon(const std::vector<std::pair<double, double>>& points,
+                       std::string_view attributes) {
+  std::string coordinates;
+  for (const auto& [x, y] : points) {
+    if (!coordinates.empty()) coordinates += ' ';
+    coordinates += num(x) + "," + num(y);
+  }
+  body_ += fmt::format("<polygon points=\"{}\" {}/>\n", coordinates, attributes);
+}
+
 void Document::circle(double cx, double cy, double r, std::string_view attributes) {
   body_ += fmt::format("<circle cx=\"{}\" cy=\"{}\" r=\"{}\" {}/>\n", num(cx), num(cy), num(r),
                        attributes);

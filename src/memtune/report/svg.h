@@ -67,6 +67,7 @@ class Document {
   void rect(double x, double y, double width, double height, std::string_view attributes);
   void line(double x1, double y1, double x2, double y2, std::string_view attributes);
   void polyline(const std::vector<std::pair<double, double>>& points, std::string_view attributes);
+  void polygon(const std::vector<std::pair<double, double>>& points, std::string_view attributes);
   void circle(double cx, double cy, double r, std::string_view attributes);
   void text(double x, double y, std::string_view text, std::string_view attributes);
   // A <title> child (hover tooltip in browsers) for the enclosing group.

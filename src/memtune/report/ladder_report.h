@@ -1,0 +1,116 @@
+// The memory ladder's report: from the ladder runner's JSON to the terminal table, report.md,
+// ladder.csv and ladder.svg.
+//
+// Input (ladder.json; the runner writes it, this module writes it back unchanged):
+//   config (object, with at least "model"), device (string), budget_bytes, rungs (array, >= 1);
+//   optional: device_context_bytes (0), commit, date, isolate, unavailable ([{name, reason}]: rungs
+//   the runner could not run at all). budget_bytes 0 means no budget.
+//   Each rung: name, techniques (array of strings), added (string, "" for the baseline),
+//   planned (an object with all ten category names -> bytes at the planned peak),
+//   planned_peak_bytes, fits_budget, measured, micro_batch, grad_accum, seq;
+//   nullable or absent: engine_peak_bytes, device_peak_bytes, step_seconds, tokens_per_second,
+//   loss (a number, or "nan"/"inf" for a diverged run; null on a measured rung is read as NaN,
+//   because nlohmann::json writes a NaN double as null), loss_scaler {skipped_steps,
+//   final_scale}, peer {tokens_per_second, peak_reserved_bytes}; fits_device (absent: the
+//   value of measured).
+//   isolate: {"alone": [...], "removed": [...]}, entries {name, planned_peak_bytes,
+//   device_peak_bytes (nullable), saving_bytes (optional)}. For "alone", saving_bytes is what the
+//   trick saves on its own against the baseline rung; for "removed", it is what taking the trick
+//   out of the full stack (the last rung) costs, so in both lists larger means the trick matters
+//   more. Absent, both are computed from planned peaks.
+// A missing or mistyped field throws memtune::Error naming it: `ladder: rungs[3] ("+flash
+// attention"): missing key "planned_peak_bytes"`.
+//
+// The baseline is the first rung whose "added" is empty (else the first rung). Savings in the
+// tables and on the chart are differences of planned peaks, which every rung has, measured or
+// not; the claims use measured figures wherever both sides of a comparison have them.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "memtune/core/memory.h"
+
+namespace memtune {
+
+struct LadderLossScaler {
+  std::optional<int64_t> skipped_steps;
+  std::optional<double> final_scale;
+};
+
+struct LadderPeer {
+  std::optional<double> tokens_per_second;
+  std::optional<uint64_t> peak_reserved_bytes;
+};
+
+struct LadderRung {
+  std::string name;
+  std::vector<std::string> techniques;
+  std::string added;
+  CategoryBytes planned{};
+  uint64_t planned_peak_bytes = 0;
+  std::optional<uint64_t> engine_peak_bytes, device_peak_bytes;
+  bool fits_budget = false, fits_device = false, measured = false;
+  std::optional<double> step_seconds, tokens_per_second;
+  std::optional<double> loss;  // NaN or infinity when the run wrote "nan"/"inf"
+  std::optional<LadderLossScaler> loss_scaler;
+  int64_t micro_batch = 0, grad_accum = 0, seq = 0;
+  std::optional<LadderPeer> peer;
+};
+
+struct LadderIsolateEntry {
+  std::string name;
+  uint64_t planned_peak_bytes = 0;
+  std::optional<uint64_t> device_peak_bytes;
+  int64_t saving_bytes = 0;  // larger: the trick matters more (see the header comment)
+};
+
+struct Ladder {
+  nlohmann::json config;
+  std::string model, device, commit, date;
+  uint64_t device_context_bytes = 0, budget_bytes = 0;
+  std::vector<LadderRung> rungs;
+  size_t baseline = 0;  // index into rungs
+  std::vector<std::pair<std::string, std::string>> unavailable;  // name, reason
+  bool has_isolate = false;
+  std::vector<LadderIsolateEntry> isolate_alone, isolate_removed;
+};
+
+// Validates and converts; memtune::Error naming the first bad field.
+Ladder parse_ladder_json(const nlohmann::json& ladder);
+
+enum class ClaimVerdict : uint8_t { held, did_not_hold, not_measured };
+std::string_view claim_verdict_name(ClaimVerdict verdict);  // "held", "did not hold", "not measured"
+
+// One piece of the usual advice set beside what this run measured.
+struct LadderClaim {
+  std::string id;        // "16bit_halves", "bf16_stable", "checkpointing", "flash_linear",
+                         // "qlora_biggest", "order_of_impact"
+  std::string claim;     // the advice as people give it
+  std::string measured;  // what this run shows, with the numbers
+  ClaimVerdict verdict = ClaimVerdict::not_measured;
+};
+
+// The six claims, computed from the data (never fixed text): see ladder_report.cpp for the rules.
+std::vector<LadderClaim> ladder_claims(const nlohmann::json& ladder);
+
+// Fixed-width table for the terminal: one row per rung.
+std::string ladder_terminal_table(const nlohmann::json& ladder);
+// report.md.
+std::string ladder_markdown(const nlohmann::json& ladder);
+// ladder.csv: a header row and one row per rung (RFC 4180 quoting).
+std::string ladder_csv(const nlohmann::json& ladder);
+// ladder.svg: stacked bars of planned bytes by category, measured peaks as markers, the budget.
+std::string ladder_svg(const nlohmann::json& ladder);
+
+// Creates out_dir and writes ladder.json (pretty), ladder.csv, report.md and ladder.svg, each
+// atomically. Everything is rendered before the first file is written, so invalid input leaves
+// the directory as it was.
+void write_ladder_outputs(const nlohmann::json& ladder, const std::filesystem::path& out_dir);
+
+}  // namespace memtune
