@@ -35,6 +35,10 @@ __device__ __forceinline__ void store_float(void* data, DType dtype, int64_t ind
   }
 }
 
+__host__ __device__ __forceinline__ int64_t element_bytes(DType dtype) {
+  return dtype == DType::f32 || dtype == DType::i32 ? 4 : dtype == DType::u8 ? 1 : 2;
+}
+
 // What storing value into dtype and loading it back gives (round to nearest even).
 __device__ __forceinline__ float round_to(DType dtype, float value) {
   switch (dtype) {

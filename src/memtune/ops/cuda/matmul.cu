@@ -91,9 +91,9 @@ __global__ void __launch_bounds__(kFallbackThreads)
   __shared__ float a_tile[kSlice][kTile + 1];  // [k][m]
   __shared__ float b_tile[kSlice][kTile + 1];  // [k][n]
   const int64_t z = blockIdx.z;
-  const char* a_base = static_cast<const char*>(args.a) + z * args.stride_a * dtype_size(args.a_type);
-  const char* b_base = static_cast<const char*>(args.b) + z * args.stride_b * dtype_size(args.b_type);
-  char* c_base = static_cast<char*>(args.c) + z * args.stride_c * dtype_size(args.c_type);
+  const char* a_base = static_cast<const char*>(args.a) + z * args.stride_a * element_bytes(args.a_type);
+  const char* b_base = static_cast<const char*>(args.b) + z * args.stride_b * element_bytes(args.b_type);
+  char* c_base = static_cast<char*>(args.c) + z * args.stride_c * element_bytes(args.c_type);
   const int64_t row0 = static_cast<int64_t>(blockIdx.y) * kTile;
   const int64_t col0 = static_cast<int64_t>(blockIdx.x) * kTile;
   const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;

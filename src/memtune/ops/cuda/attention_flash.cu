@@ -1,0 +1,841 @@
+// FlashAttention-2 on the GPU (Dao, arXiv 2307.08691; SPECS.md §7): causal GQA attention that
+// saves only O and the fp32 logsumexp, with segments (packed sequences).
+//
+// Tensor-core kernels (head_dim 64 and 128, q/k/v (and d_out) all bf16 or all f16, 16-byte
+// aligned): blocks of 64 queries x 64 keys, 4 warps of 16 rows each, mma.sync.m16n8k16 with fp32
+// accumulation (PTX ISA, "Warp-level matrix fragments for mma.m16n8k16"), fragments loaded from
+// shared memory with ldmatrix (.trans where the operand must be transposed), tiles brought in by
+// cp.async (zero-filled past the sequence end). Shared-memory rows are padded by 16 bytes, which
+// puts the eight 16-byte rows that one ldmatrix phase reads in eight different bank groups.
+//  - Forward: one block per (query block, head, batch row), heaviest (last) query blocks first.
+//    Q fragments stay in registers; per key block S = Q K^T, the online softmax in the exp2
+//    domain (scores times scale * log2 e), and O += P V with P taken straight from the S
+//    accumulators (an m16n8 C fragment pair is an m16k16 A fragment). V's load overlaps S, the
+//    next K's load overlaps the softmax and P V.
+//  - Backward: D = rowsum(dO * O) and a zeroed fp32 dQ accumulator first; then one block per
+//    (key block, kv head, batch row), which loops over the group's query heads and the query
+//    blocks that see its keys: S^T = K Q^T, P^T = exp2(S^T * scale log2 e - lse log2 e),
+//    dV += P^T dO, dP^T = V dO^T, dS^T = P^T (dP^T - D) * scale, dK += dS^T Q, and dQ += dS K
+//    added into the accumulator with fp32 atomics (as FA2 does); dQ is rounded into dq at the
+//    end. dK and dV of a kv head are summed in registers over its whole group: K and V are never
+//    repeated.
+// Generic kernels (any even head_dim up to 256, any float dtypes, any alignment): one warp per
+// query row (forward, dQ) or key row (dK/dV), fp32 throughout. Simple, and the reference the
+// tests hold the tensor-core path against as well as the CPU.
+#include <cstring>
+
+#include "memtune/ops/cuda/cuda_common.h"
+#include "memtune/ops/cuda/cuda_ops.h"
+
+namespace memtune::cuda {
+namespace {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+__device__ __forceinline__ bool sees(const int32_t* segments_row, int64_t i, int64_t j) {
+  return j <= i && (segments_row == nullptr || segments_row[i] == segments_row[j]);
+}
+
+// ================================ generic kernels ===============================================
+
+constexpr int kGenericWarps = 4;
+constexpr int kMaxPerLane = 8;  // head_dim <= 256
+
+__global__ void __launch_bounds__(kGenericWarps * 32)
+    flash_forward_generic(AttentionParams p, FlashTensors t) {
+  const int lane = threadIdx.x & 31;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kGenericWarps + (threadIdx.x >> 5);
+  if (row >= p.batch * p.n_heads * p.seq) return;
+  const int64_t i = row % p.seq, h = (row / p.seq) % p.n_heads, b = row / (p.seq * p.n_heads);
+  const int64_t g = h / (p.n_heads / p.n_kv_heads), d = p.head_dim;
+  const int32_t* segments_row = p.segments == nullptr ? nullptr : p.segments + b * p.seq;
+  const float scale_log2 = p.scale * kLog2e;
+  const int64_t q_offset = ((b * p.seq + i) * p.n_heads + h) * d;
+  float q[kMaxPerLane], o[kMaxPerLane];
+#pragma unroll
+  for (int e = 0; e < kMaxPerLane; ++e) {
+    const int64_t c = lane + 32 * e;
+    q[e] = c < d ? load_float(t.q, t.q_type, q_offset + c) * scale_log2 : 0.0f;
+    o[e] = 0.0f;
+  }
+  float running_max = -INFINITY, running_sum = 0.0f;
+  #pragma unroll 1  // a run-time loop: unrolling it only multiplies live registers
+  for (int64_t j = 0; j <= i; ++j) {
+    if (!sees(segments_row, i, j)) continue;
+    const int64_t kv_offset = ((b * p.seq + j) * p.n_kv_heads + g) * d;
+    float dot = 0.0f;
+#pragma unroll
+    for (int e = 0; e < kMaxPerLane; ++e) {
+      const int64_t c = lane + 32 * e;
+      if (c < d) dot = fmaf(q[e], load_float(t.k, t.k_type, kv_offset + c), dot);
+    }
+    const float s = warp_sum(dot);
+    const float new_max = fmaxf(running_max, s);
+    const float correction = exp2f(running_max - new_max);
+    const float weight = exp2f(s - new_max);
+    running_sum = running_sum * correction + weight;
+    running_max = new_max;
+#pragma unroll
+    for (int e = 0; e < kMaxPerLane; ++e) {
+      const int64_t c = lane + 32 * e;
+      if (c < d) o[e] = o[e] * correction + weight * load_float(t.v, t.v_type, kv_offset + c);
+    }
+  }
+  const float inverse = 1.0f / running_sum;  // the diagonal is always visible: sum >= 1
+#pragma unroll
+  for (int e = 0; e < kMaxPerLane; ++e) {
+    const int64_t c = lane + 32 * e;
+    if (c < d) store_float(t.out, t.out_type, q_offset + c, o[e] * inverse);
+  }
+  if (lane == 0)
+    t.lse[(b * p.n_heads + h) * p.seq + i] = (running_max + log2f(running_sum)) * kLn2;
+}
+
+// D = rowsum(dO * O) per (b, h, i); with zero_accum, also zeroes the row's dQ accumulator.
+__global__ void __launch_bounds__(kGenericWarps * 32)
+    flash_delta_kernel(AttentionParams p, FlashTensors t, bool zero_accum) {
+  const int lane = threadIdx.x & 31;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kGenericWarps + (threadIdx.x >> 5);
+  if (row >= p.batch * p.n_heads * p.seq) return;
+  const int64_t i = row % p.seq, h = (row / p.seq) % p.n_heads, b = row / (p.seq * p.n_heads);
+  const int64_t offset = ((b * p.seq + i) * p.n_heads + h) * p.head_dim;
+  float dot = 0.0f;
+  for (int64_t c = lane; c < p.head_dim; c += 32) {
+    dot = fmaf(load_float(t.d_out, t.d_out_type, offset + c), load_float(t.out, t.out_type, offset + c), dot);
+    if (zero_accum) t.dq_accum[offset + c] = 0.0f;
+  }
+  dot = warp_sum(dot);
+  if (lane == 0) t.delta[(b * p.n_heads + h) * p.seq + i] = dot;
+}
+
+// dQ_i = sum_j dS_ij K_j, one warp per query row.
+__global__ void __launch_bounds__(kGenericWarps * 32)
+    flash_dq_generic(AttentionParams p, FlashTensors t) {
+  const int lane = threadIdx.x & 31;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kGenericWarps + (threadIdx.x >> 5);
+  if (row >= p.batch * p.n_heads * p.seq) return;
+  const int64_t i = row % p.seq, h = (row / p.seq) % p.n_heads, b = row / (p.seq * p.n_heads);
+  const int64_t g = h / (p.n_heads / p.n_kv_heads), d = p.head_dim;
+  const int32_t* segments_row = p.segments == nullptr ? nullptr : p.segments + b * p.seq;
+  const int64_t q_offset = ((b * p.seq + i) * p.n_heads + h) * d;
+  const float row_lse = t.lse[(b * p.n_heads + h) * p.seq + i];
+  const float row_delta = t.delta[(b * p.n_heads + h) * p.seq + i];
+  float q[kMaxPerLane], d_out[kMaxPerLane], dq[kMaxPerLane];
+#pragma unroll
+  for (int e = 0; e < kMaxPerLane; ++e) {
+    const int64_t c = lane + 32 * e;
+    q[e] = c < d ? load_float(t.q, t.q_type, q_offset + c) : 0.0f;
+    d_out[e] = c < d ? load_float(t.d_out, t.d_out_type, q_offset + c) : 0.0f;
+    dq[e] = 0.0f;
+  }
+  #pragma unroll 1  // a run-time loop: unrolling it only multiplies live registers
+  for (int64_t j = 0; j <= i; ++j) {
+    if (!sees(segments_row, i, j)) continue;
+    const int64_t kv_offset = ((b * p.seq + j) * p.n_kv_heads + g) * d;
+    float qk = 0.0f, dov = 0.0f;
+#pragma unroll
+    for (int e = 0; e < kMaxPerLane; ++e) {
+      const int64_t c = lane + 32 * e;
+      if (c < d) {
+        qk = fmaf(q[e], load_float(t.k, t.k_type, kv_offset + c), qk);
+        dov = fmaf(d_out[e], load_float(t.v, t.v_type, kv_offset + c), dov);
+      }
+    }
+    qk = warp_sum(qk);
+    dov = warp_sum(dov);
+    const float prob = expf(qk * p.scale - row_lse);
+    const float ds = prob * (dov - row_delta) * p.scale;
+#pragma unroll
+    for (int e = 0; e < kMaxPerLane; ++e) {
+      const int64_t c = lane + 32 * e;
+      if (c < d) dq[e] = fmaf(ds, load_float(t.k, t.k_type, kv_offset + c), dq[e]);
+    }
+  }
+#pragma unroll
+  for (int e = 0; e < kMaxPerLane; ++e) {
+    const int64_t c = lane + 32 * e;
+    if (c < d) store_float(t.dq, t.dq_type, q_offset + c, dq[e]);
+  }
+}
+
+// dK_j, dV_j summed over the group's query heads and the queries that see key j; one warp per
+// (b, kv head, j).
+__global__ void __launch_bounds__(kGenericWarps * 32)
+    flash_dkdv_generic(AttentionParams p, FlashTensors t) {
+  const int lane = threadIdx.x & 31;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kGenericWarps + (threadIdx.x >> 5);
+  if (row >= p.batch * p.n_kv_heads * p.seq) return;
+  const int64_t j = row % p.seq, g = (row / p.seq) % p.n_kv_heads,
+                b = row / (p.seq * p.n_kv_heads);
+  const int64_t group = p.n_heads / p.n_kv_heads, d = p.head_dim;
+  const int32_t* segments_row = p.segments == nullptr ? nullptr : p.segments + b * p.seq;
+  const int64_t kv_offset = ((b * p.seq + j) * p.n_kv_heads + g) * d;
+  float k[kMaxPerLane], v[kMaxPerLane], dk[kMaxPerLane], dv[kMaxPerLane];
+#pragma unroll
+  for (int e = 0; e < kMaxPerLane; ++e) {
+    const int64_t c = lane + 32 * e;
+    k[e] = c < d ? load_float(t.k, t.k_type, kv_offset + c) : 0.0f;
+    v[e] = c < d ? load_float(t.v, t.v_type, kv_offset + c) : 0.0f;
+    dk[e] = dv[e] = 0.0f;
+  }
+  #pragma unroll 1  // a run-time loop: unrolling it only multiplies live registers
+  for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+    #pragma unroll 1  // a run-time loop: unrolling it only multiplies live registers
+    for (int64_t i = j; i < p.seq; ++i) {
+      if (!sees(segments_row, i, j)) continue;
+      const int64_t q_offset = ((b * p.seq + i) * p.n_heads + h) * d;
+      float qk = 0.0f, dov = 0.0f;
+#pragma unroll
+      for (int e = 0; e < kMaxPerLane; ++e) {
+        const int64_t c = lane + 32 * e;
+        if (c < d) {
+          qk = fmaf(load_float(t.q, t.q_type, q_offset + c), k[e], qk);
+          dov = fmaf(load_float(t.d_out, t.d_out_type, q_offset + c), v[e], dov);
+        }
+      }
+      qk = warp_sum(qk);
+      dov = warp_sum(dov);
+      const int64_t stat = (b * p.n_heads + h) * p.seq + i;
+      const float prob = expf(qk * p.scale - t.lse[stat]);
+      const float ds = prob * (dov - t.delta[stat]) * p.scale;
+#pragma unroll
+      for (int e = 0; e < kMaxPerLane; ++e) {
+        const int64_t c = lane + 32 * e;
+        if (c < d) {
+          dv[e] = fmaf(prob, load_float(t.d_out, t.d_out_type, q_offset + c), dv[e]);
+          dk[e] = fmaf(ds, load_float(t.q, t.q_type, q_offset + c), dk[e]);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int e = 0; e < kMaxPerLane; ++e) {
+    const int64_t c = lane + 32 * e;
+    if (c < d) {
+      store_float(t.dk, t.dk_type, kv_offset + c, dk[e]);
+      store_float(t.dv, t.dv_type, kv_offset + c, dv[e]);
+    }
+  }
+}
+
+// ================================ tensor-core kernels ===========================================
+
+constexpr int kBlock = 64;    // queries per block (forward) and keys per block (backward); both
+                              // tile sides are 64, so block edges line up with the diagonal
+constexpr int kThreads = 128;  // 4 warps x 16 rows
+
+__device__ __forceinline__ uint32_t shared_address(const void* pointer) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(pointer));
+}
+
+// 16 bytes global -> shared, asynchronously; valid == false writes 16 zero bytes instead.
+__device__ __forceinline__ void cp_async_16(uint32_t shared, const void* global, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(shared), "l"(global),
+               "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// Shared-memory operands are 32-bit shared-window byte addresses: far fewer registers than
+// generic 64-bit pointers, and ptxas folds the constant offsets into the instructions.
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t address) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(address));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t address) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(address));
+}
+
+// Per-lane byte offsets of the three ldmatrix.x4 patterns, for a tile of row stride `stride`
+// elements (PTX ISA, ldmatrix: lanes 8i..8i+7 give the row addresses of matrix i).
+//  rows_a: a 16 x 16 A operand at (row 0, col 0): matrices (rows 0-7 | 8-15) x (cols 0-7 | 8-15)
+//          in the order a0 a1 a2 a3.
+//  rows_b: B operands of two n-tiles, from a tile stored [n][k]: r0 r1 = b0 b1 of rows 0-7,
+//          r2 r3 = b0 b1 of rows 8-15.
+//  trans:  B operands of two n-tiles, from a tile stored [k][n] (transposed on load): r0 r1 =
+//          b0 b1 of columns 0-7, r2 r3 of columns 8-15.
+//  trans_a: an A operand from a tile stored [k][m] (transposed on load).
+__device__ __forceinline__ uint32_t rows_a_offset(int lane, int stride) {
+  return static_cast<uint32_t>(((lane & 15) * stride + (lane >> 4) * 8) * 2);
+}
+__device__ __forceinline__ uint32_t rows_b_offset(int lane, int stride) {
+  return static_cast<uint32_t>((((lane & 7) + (lane >> 4) * 8) * stride + ((lane >> 3) & 1) * 8) * 2);
+}
+__device__ __forceinline__ uint32_t trans_offset(int lane, int stride) {
+  return static_cast<uint32_t>((((lane & 7) + ((lane >> 3) & 1) * 8) * stride + (lane >> 4) * 8) * 2);
+}
+__device__ __forceinline__ uint32_t trans_a_offset(int lane, int stride) {
+  return static_cast<uint32_t>((((lane & 7) + (lane >> 4) * 8) * stride + ((lane >> 3) & 1) * 8) * 2);
+}
+
+// d += a b for one m16n8k16 tile, fp32 accumulators.
+template <bool kBf16>
+__device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                          uint32_t b1) {
+  if constexpr (kBf16) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+// Two floats as one register of two 16-bit values, the first in the low half.
+template <bool kBf16>
+__device__ __forceinline__ uint32_t pack2(float low, float high) {
+  uint32_t bits;
+  if constexpr (kBf16) {
+    const __nv_bfloat162 value = __floats2bfloat162_rn(low, high);
+    memcpy(&bits, &value, 4);
+  } else {
+    const __half2 value = __floats2half2_rn(low, high);
+    memcpy(&bits, &value, 4);
+  }
+  return bits;
+}
+
+// A 64 x D tile of rows [row0, row0 + 64) of one head into shared memory (row stride D + 8);
+// rows at or past `valid_rows` are zero-filled. `head` points at row 0 of the tile.
+template <int D>
+__device__ __forceinline__ void load_tile(uint32_t tile, const uint16_t* head, int64_t row_stride,
+                                          int64_t valid_rows) {
+  constexpr int kChunks = D / 8;  // 16-byte pieces per row
+#pragma unroll
+  for (int step = 0; step < kBlock * kChunks / kThreads; ++step) {
+    const int e = step * kThreads + threadIdx.x;
+    const int r = e / kChunks, c = e % kChunks;
+    const bool valid = r < valid_rows;
+    cp_async_16(tile + static_cast<uint32_t>((r * (D + 8) + c * 8) * 2),
+                valid ? head + r * row_stride + c * 8 : head, valid);
+  }
+}
+
+template <int D>
+constexpr int forward_shared_bytes() {
+  return 3 * kBlock * (D + 8) * 2 + kBlock * 4;
+}
+
+template <int D, bool kBf16>
+__global__ void __launch_bounds__(kThreads)
+    flash_forward_tc(AttentionParams p, FlashTensors t) {
+  constexpr int kStride = D + 8;
+  constexpr uint32_t kTileBytes = kBlock * kStride * 2;
+  extern __shared__ __align__(16) uint16_t shared[];
+  int32_t* key_segments = reinterpret_cast<int32_t*>(shared + 3 * kBlock * kStride);
+  const uint32_t q_tile = shared_address(shared);
+  const uint32_t k_tile = q_tile + kTileBytes;
+  const uint32_t v_tile = k_tile + kTileBytes;
+
+  const int64_t seq = p.seq, heads = p.n_heads, kv_heads = p.n_kv_heads;
+  const int64_t q_block = gridDim.x - 1 - blockIdx.x;  // the longest rows first
+  const int64_t h = blockIdx.y, b = blockIdx.z, g = h / (heads / kv_heads);
+  const int64_t q0 = q_block * kBlock;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int group_id = lane >> 2, thread_in_group = lane & 3;
+  const int32_t* segments_row = p.segments == nullptr ? nullptr : p.segments + b * seq;
+  const float scale_log2 = p.scale * kLog2e;
+
+  const uint16_t* k_head = static_cast<const uint16_t*>(t.k) + (b * seq * kv_heads + g) * D;
+  const uint16_t* v_head = static_cast<const uint16_t*>(t.v) + (b * seq * kv_heads + g) * D;
+  const int64_t kv_stride = kv_heads * D;
+
+  load_tile<D>(q_tile, static_cast<const uint16_t*>(t.q) + ((b * seq + q0) * heads + h) * D,
+               heads * D, seq - q0);
+  load_tile<D>(k_tile, k_head, kv_stride, seq);
+  cp_async_commit();
+  cp_async_wait<0>();
+  __syncthreads();
+
+  uint32_t q_frag[D / 16][4];
+  {
+    const uint32_t base = q_tile + warp * 16 * kStride * 2 + rows_a_offset(lane, kStride);
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) ldmatrix_x4(q_frag[kk], base + kk * 32);
+  }
+  const uint32_t k_lane = k_tile + rows_b_offset(lane, kStride);
+  const uint32_t v_lane = v_tile + trans_offset(lane, kStride);
+
+  float o[D / 8][4];
+#pragma unroll
+  for (int dt = 0; dt < D / 8; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.0f;
+  float max_a = -INFINITY, max_b = -INFINITY, sum_a = 0.0f, sum_b = 0.0f;
+  const int row_a = static_cast<int>(warp * 16 + group_id), row_b = row_a + 8;  // in the block
+  const int32_t segment_a =
+      segments_row != nullptr && q0 + row_a < seq ? segments_row[q0 + row_a] : 0;
+  const int32_t segment_b =
+      segments_row != nullptr && q0 + row_b < seq ? segments_row[q0 + row_b] : 0;
+  const int64_t last_key = (q0 + kBlock - 1 < seq - 1 ? q0 + kBlock - 1 : seq - 1);
+  const int64_t key_blocks = last_key / kBlock + 1;
+
+  #pragma unroll 1  // a run-time loop: unrolling it only multiplies live registers
+  for (int64_t kb = 0; kb < key_blocks; ++kb) {
+    const int64_t k0 = kb * kBlock;
+    load_tile<D>(v_tile, v_head + k0 * kv_stride, kv_stride, seq - k0);
+    cp_async_commit();
+    if (segments_row != nullptr)
+      for (int e = threadIdx.x; e < kBlock; e += kThreads)
+        key_segments[e] = k0 + e < seq ? segments_row[k0 + e] : 0;
+    cp_async_wait<1>();  // K of this block
+    __syncthreads();
+
+    float s[kBlock / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < kBlock / 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+#pragma unroll
+      for (int nt = 0; nt < kBlock / 8; nt += 2) {
+        uint32_t r[4];
+        ldmatrix_x4(r, k_lane + nt * 8 * kStride * 2 + kk * 32);
+        mma_16816<kBf16>(s[nt], q_frag[kk], r[0], r[1]);
+        mma_16816<kBf16>(s[nt + 1], q_frag[kk], r[2], r[3]);
+      }
+    }
+    __syncthreads();  // every warp is done with k_tile
+    if (kb + 1 < key_blocks)
+      load_tile<D>(k_tile, k_head + (k0 + kBlock) * kv_stride, kv_stride, seq - k0 - kBlock);
+    cp_async_commit();  // possibly empty: keeps the group count uniform
+
+    // Online softmax over this block's scores (exp2 domain). Columns are relative to k0, rows
+    // to q0; the diagonal offset decides causality.
+    const int diagonal = static_cast<int>(q0 - k0);  // key c is visible to row r iff c <= r + diagonal
+    const bool need_mask = segments_row != nullptr || kBlock - 1 > diagonal + warp * 16;
+    float block_max_a = -INFINITY, block_max_b = -INFINITY;
+#pragma unroll
+    for (int nt = 0; nt < kBlock / 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int col = nt * 8 + 2 * thread_in_group + e;
+        float x_a = s[nt][e] * scale_log2, x_b = s[nt][2 + e] * scale_log2;
+        if (need_mask) {
+          const int32_t key_segment = segments_row != nullptr ? key_segments[col] : 0;
+          if (col > row_a + diagonal || key_segment != segment_a) x_a = -INFINITY;
+          if (col > row_b + diagonal || key_segment != segment_b) x_b = -INFINITY;
+        }
+        s[nt][e] = x_a;
+        s[nt][2 + e] = x_b;
+        block_max_a = fmaxf(block_max_a, x_a);
+        block_max_b = fmaxf(block_max_b, x_b);
+      }
+    }
+    // The four threads of a quad hold one row between them.
+    block_max_a = fmaxf(block_max_a, __shfl_xor_sync(0xffffffffu, block_max_a, 1));
+    block_max_a = fmaxf(block_max_a, __shfl_xor_sync(0xffffffffu, block_max_a, 2));
+    block_max_b = fmaxf(block_max_b, __shfl_xor_sync(0xffffffffu, block_max_b, 1));
+    block_max_b = fmaxf(block_max_b, __shfl_xor_sync(0xffffffffu, block_max_b, 2));
+    const float new_max_a = fmaxf(max_a, block_max_a), new_max_b = fmaxf(max_b, block_max_b);
+    // A row that has seen nothing yet keeps max -inf; subtracting 0 then keeps exp2 at 0
+    // instead of exp2(-inf - -inf) = NaN.
+    const float base_a = new_max_a == -INFINITY ? 0.0f : new_max_a;
+    const float base_b = new_max_b == -INFINITY ? 0.0f : new_max_b;
+    const float correction_a = exp2f(max_a - base_a), correction_b = exp2f(max_b - base_b);
+    max_a = new_max_a;
+    max_b = new_max_b;
+    float local_a = 0.0f, local_b = 0.0f;
+#pragma unroll
+    for (int nt = 0; nt < kBlock / 8; ++nt) {
+      s[nt][0] = exp2f(s[nt][0] - base_a);
+      s[nt][1] = exp2f(s[nt][1] - base_a);
+      s[nt][2] = exp2f(s[nt][2] - base_b);
+      s[nt][3] = exp2f(s[nt][3] - base_b);
+      local_a += s[nt][0] + s[nt][1];
+      local_b += s[nt][2] + s[nt][3];
+    }
+    // Per-thread partial row sums; the quad's are added once at the end (they share the
+    // corrections).
+    sum_a = sum_a * correction_a + local_a;
+    sum_b = sum_b * correction_b + local_b;
+#pragma unroll
+    for (int dt = 0; dt < D / 8; ++dt) {
+      o[dt][0] *= correction_a;
+      o[dt][1] *= correction_a;
+      o[dt][2] *= correction_b;
+      o[dt][3] *= correction_b;
+    }
+
+    cp_async_wait<1>();  // V of this block
+    __syncthreads();
+#pragma unroll
+    for (int kc = 0; kc < kBlock / 16; ++kc) {
+      const uint32_t a[4] = {pack2<kBf16>(s[2 * kc][0], s[2 * kc][1]),
+                             pack2<kBf16>(s[2 * kc][2], s[2 * kc][3]),
+                             pack2<kBf16>(s[2 * kc + 1][0], s[2 * kc + 1][1]),
+                             pack2<kBf16>(s[2 * kc + 1][2], s[2 * kc + 1][3])};
+#pragma unroll
+      for (int dt = 0; dt < D / 8; dt += 2) {
+        uint32_t r[4];
+        ldmatrix_x4_trans(r, v_lane + kc * 16 * kStride * 2 + dt * 16);
+        mma_16816<kBf16>(o[dt], a, r[0], r[1]);
+        mma_16816<kBf16>(o[dt + 1], a, r[2], r[3]);
+      }
+    }
+    __syncthreads();  // every warp is done with v_tile
+  }
+
+  sum_a += __shfl_xor_sync(0xffffffffu, sum_a, 1);
+  sum_a += __shfl_xor_sync(0xffffffffu, sum_a, 2);
+  sum_b += __shfl_xor_sync(0xffffffffu, sum_b, 1);
+  sum_b += __shfl_xor_sync(0xffffffffu, sum_b, 2);
+  const float inverse_a = sum_a > 0.0f ? 1.0f / sum_a : 0.0f;
+  const float inverse_b = sum_b > 0.0f ? 1.0f / sum_b : 0.0f;
+  const bool valid_a = q0 + row_a < seq, valid_b = q0 + row_b < seq;
+  const int64_t offset_a = ((b * seq + q0 + row_a) * heads + h) * D + 2 * thread_in_group;
+  const int64_t offset_b = offset_a + 8 * heads * D;
+#pragma unroll
+  for (int dt = 0; dt < D / 8; ++dt) {
+    if (valid_a) {
+      store_float(t.out, t.out_type, offset_a + dt * 8, o[dt][0] * inverse_a);
+      store_float(t.out, t.out_type, offset_a + dt * 8 + 1, o[dt][1] * inverse_a);
+    }
+    if (valid_b) {
+      store_float(t.out, t.out_type, offset_b + dt * 8, o[dt][2] * inverse_b);
+      store_float(t.out, t.out_type, offset_b + dt * 8 + 1, o[dt][3] * inverse_b);
+    }
+  }
+  if (thread_in_group == 0) {
+    float* head_lse = t.lse + (b * heads + h) * seq + q0;
+    if (valid_a) head_lse[row_a] = (max_a + log2f(sum_a)) * kLn2;
+    if (valid_b) head_lse[row_b] = (max_b + log2f(sum_b)) * kLn2;
+  }
+}
+
+template <int D>
+constexpr int backward_shared_bytes() {
+  // K, V, Q, dO tiles; dS^T [64 keys][64 + 8 queries]; lse * log2 e, D and segments of the
+  // query block.
+  return 4 * kBlock * (D + 8) * 2 + kBlock * (kBlock + 8) * 2 + 3 * kBlock * 4;
+}
+
+template <int D, bool kBf16>
+__global__ void __launch_bounds__(kThreads)
+    flash_backward_tc(AttentionParams p, FlashTensors t) {
+  constexpr int kStride = D + 8;
+  constexpr int kDsStride = kBlock + 8;
+  constexpr uint32_t kTileBytes = kBlock * kStride * 2;
+  extern __shared__ __align__(16) uint16_t shared[];
+  uint16_t* ds_pointer = shared + 4 * kBlock * kStride;  // dS^T: [key][query]
+  float* lse_tile = reinterpret_cast<float*>(ds_pointer + kBlock * kDsStride);
+  float* delta_tile = lse_tile + kBlock;
+  int32_t* query_segments = reinterpret_cast<int32_t*>(delta_tile + kBlock);
+  const uint32_t k_tile = shared_address(shared);
+  const uint32_t v_tile = k_tile + kTileBytes;
+  const uint32_t q_tile = v_tile + kTileBytes;
+  const uint32_t do_tile = q_tile + kTileBytes;
+  const uint32_t ds_tile = do_tile + kTileBytes;
+
+  const int64_t seq = p.seq, heads = p.n_heads, kv_heads = p.n_kv_heads;
+  const int64_t group = heads / kv_heads;
+  const int64_t k0 = static_cast<int64_t>(blockIdx.x) * kBlock;  // the longest columns first
+  const int64_t g = blockIdx.y, b = blockIdx.z;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int group_id = lane >> 2, thread_in_group = lane & 3;
+  const int32_t* segments_row = p.segments == nullptr ? nullptr : p.segments + b * seq;
+  const float scale_log2 = p.scale * kLog2e;
+  const int64_t kv_stride = kv_heads * D, q_stride = heads * D;
+
+  load_tile<D>(k_tile, static_cast<const uint16_t*>(t.k) + ((b * seq + k0) * kv_heads + g) * D,
+               kv_stride, seq - k0);
+  load_tile<D>(v_tile, static_cast<const uint16_t*>(t.v) + ((b * seq + k0) * kv_heads + g) * D,
+               kv_stride, seq - k0);
+  cp_async_commit();
+
+  // This thread's two key rows (accumulator rows g and g + 8 of its warp's 16), in the block.
+  const int key_a = warp * 16 + group_id, key_b = key_a + 8;
+  const int32_t segment_a =
+      segments_row != nullptr && k0 + key_a < seq ? segments_row[k0 + key_a] : 0;
+  const int32_t segment_b =
+      segments_row != nullptr && k0 + key_b < seq ? segments_row[k0 + key_b] : 0;
+  // Per-lane ldmatrix addresses.
+  const uint32_t k_rows = k_tile + warp * 16 * kStride * 2 + rows_a_offset(lane, kStride);
+  const uint32_t v_rows = v_tile + warp * 16 * kStride * 2 + rows_a_offset(lane, kStride);
+  const uint32_t q_cols = q_tile + rows_b_offset(lane, kStride);
+  const uint32_t do_cols = do_tile + rows_b_offset(lane, kStride);
+  const uint32_t q_trans = q_tile + trans_offset(lane, kStride);
+  const uint32_t do_trans = do_tile + trans_offset(lane, kStride);
+  const uint32_t k_trans = k_tile + trans_offset(lane, kStride);
+  const uint32_t ds_rows = ds_tile + warp * 16 * kDsStride * 2 + rows_a_offset(lane, kDsStride);
+  const uint32_t ds_trans = ds_tile + warp * 16 * 2 + trans_a_offset(lane, kDsStride);
+
+  float dk[D / 8][4], dv[D / 8][4];
+#pragma unroll
+  for (int dt = 0; dt < D / 8; ++dt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dk[dt][e] = dv[dt][e] = 0.0f;
+
+  #pragma unroll 1  // a run-time loop: unrolling it only multiplies live registers
+  for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+    const uint16_t* q_head = static_cast<const uint16_t*>(t.q) + (b * seq * heads + h) * D;
+    const uint16_t* do_head = static_cast<const uint16_t*>(t.d_out) + (b * seq * heads + h) * D;
+    const int64_t stats = (b * heads + h) * seq;
+    // Causal: the first query block that sees key k0 is the one holding position k0.
+    #pragma unroll 1  // a run-time loop: unrolling it only multiplies live registers
+    for (int64_t q0 = k0; q0 < seq; q0 += kBlock) {
+      load_tile<D>(q_tile, q_head + q0 * q_stride, q_stride, seq - q0);
+      load_tile<D>(do_tile, do_head + q0 * q_stride, q_stride, seq - q0);
+      cp_async_commit();
+      for (int e = threadIdx.x; e < kBlock; e += kThreads) {
+        const bool valid = q0 + e < seq;
+        // Past the end: lse = +inf makes every P of that query 0.
+        lse_tile[e] = valid ? t.lse[stats + q0 + e] * kLog2e : INFINITY;
+        delta_tile[e] = valid ? t.delta[stats + q0 + e] : 0.0f;
+        if (segments_row != nullptr) query_segments[e] = valid ? segments_row[q0 + e] : 0;
+      }
+      cp_async_wait<0>();
+      __syncthreads();
+
+      // S^T = K Q^T for the warp's 16 keys x 64 queries.
+      float s[kBlock / 8][4];
+#pragma unroll
+      for (int nt = 0; nt < kBlock / 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        uint32_t a[4];
+        ldmatrix_x4(a, k_rows + kk * 32);
+#pragma unroll
+        for (int nt = 0; nt < kBlock / 8; nt += 2) {
+          uint32_t r[4];
+          ldmatrix_x4(r, q_cols + nt * 8 * kStride * 2 + kk * 32);
+          mma_16816<kBf16>(s[nt], a, r[0], r[1]);
+          mma_16816<kBf16>(s[nt + 1], a, r[2], r[3]);
+        }
+      }
+      // P^T, masked. Query column c (relative to q0) sees key row r (relative to k0) iff
+      // r <= c + diagonal.
+      const int diagonal = static_cast<int>(q0 - k0);
+      const bool need_mask = segments_row != nullptr || diagonal < kBlock;
+#pragma unroll
+      for (int nt = 0; nt < kBlock / 8; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int col = nt * 8 + 2 * thread_in_group + e;
+          float p_a = exp2f(s[nt][e] * scale_log2 - lse_tile[col]);
+          float p_b = exp2f(s[nt][2 + e] * scale_log2 - lse_tile[col]);
+          if (need_mask) {
+            const int32_t query_segment = segments_row != nullptr ? query_segments[col] : 0;
+            if (key_a > col + diagonal || query_segment != segment_a) p_a = 0.0f;
+            if (key_b > col + diagonal || query_segment != segment_b) p_b = 0.0f;
+          }
+          s[nt][e] = p_a;
+          s[nt][2 + e] = p_b;
+        }
+      }
+      // dV += P^T dO.
+#pragma unroll
+      for (int kc = 0; kc < kBlock / 16; ++kc) {
+        const uint32_t a[4] = {pack2<kBf16>(s[2 * kc][0], s[2 * kc][1]),
+                               pack2<kBf16>(s[2 * kc][2], s[2 * kc][3]),
+                               pack2<kBf16>(s[2 * kc + 1][0], s[2 * kc + 1][1]),
+                               pack2<kBf16>(s[2 * kc + 1][2], s[2 * kc + 1][3])};
+#pragma unroll
+        for (int dt = 0; dt < D / 8; dt += 2) {
+          uint32_t r[4];
+          ldmatrix_x4_trans(r, do_trans + kc * 16 * kStride * 2 + dt * 16);
+          mma_16816<kBf16>(dv[dt], a, r[0], r[1]);
+          mma_16816<kBf16>(dv[dt + 1], a, r[2], r[3]);
+        }
+      }
+      // dP^T = V dO^T, then dS^T = P^T (dP^T - D) * scale into shared memory (in the A/C
+      // fragment layout's element positions: [key][query]).
+      {
+        float dp[kBlock / 8][4];
+#pragma unroll
+        for (int nt = 0; nt < kBlock / 8; ++nt) dp[nt][0] = dp[nt][1] = dp[nt][2] = dp[nt][3] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+          uint32_t a[4];
+          ldmatrix_x4(a, v_rows + kk * 32);
+#pragma unroll
+          for (int nt = 0; nt < kBlock / 8; nt += 2) {
+            uint32_t r[4];
+            ldmatrix_x4(r, do_cols + nt * 8 * kStride * 2 + kk * 32);
+            mma_16816<kBf16>(dp[nt], a, r[0], r[1]);
+            mma_16816<kBf16>(dp[nt + 1], a, r[2], r[3]);
+          }
+        }
+#pragma unroll
+        for (int nt = 0; nt < kBlock / 8; ++nt) {
+          const int col = nt * 8 + 2 * thread_in_group;
+          const float delta0 = delta_tile[col], delta1 = delta_tile[col + 1];
+          const uint32_t top = pack2<kBf16>(s[nt][0] * (dp[nt][0] - delta0) * p.scale,
+                                            s[nt][1] * (dp[nt][1] - delta1) * p.scale);
+          const uint32_t bottom = pack2<kBf16>(s[nt][2] * (dp[nt][2] - delta0) * p.scale,
+                                               s[nt][3] * (dp[nt][3] - delta1) * p.scale);
+          *reinterpret_cast<uint32_t*>(ds_pointer + key_a * kDsStride + col) = top;
+          *reinterpret_cast<uint32_t*>(ds_pointer + key_b * kDsStride + col) = bottom;
+        }
+      }
+      __syncthreads();  // dS^T of all four warps is in shared memory
+
+      // dK += dS^T Q (the warp's own key rows of dS^T).
+#pragma unroll
+      for (int kc = 0; kc < kBlock / 16; ++kc) {
+        uint32_t a[4];
+        ldmatrix_x4(a, ds_rows + kc * 32);
+#pragma unroll
+        for (int dt = 0; dt < D / 8; dt += 2) {
+          uint32_t r[4];
+          ldmatrix_x4_trans(r, q_trans + kc * 16 * kStride * 2 + dt * 16);
+          mma_16816<kBf16>(dk[dt], a, r[0], r[1]);
+          mma_16816<kBf16>(dk[dt + 1], a, r[2], r[3]);
+        }
+      }
+
+      // dQ += dS K for the warp's 16 queries, 32 columns of d at a time.
+      const int query_a = warp * 16 + group_id, query_b = query_a + 8;
+      float* dq_a = t.dq_accum + ((b * seq + q0 + query_a) * heads + h) * D + 2 * thread_in_group;
+      float* dq_b = dq_a + 8 * q_stride;
+      const bool valid_a = q0 + query_a < seq, valid_b = q0 + query_b < seq;
+#pragma unroll
+      for (int d0 = 0; d0 < D; d0 += 32) {
+        float acc[4][4];
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+#pragma unroll
+        for (int kc = 0; kc < kBlock / 16; ++kc) {
+          uint32_t a[4];
+          ldmatrix_x4_trans(a, ds_trans + kc * 16 * kDsStride * 2);
+#pragma unroll
+          for (int nt = 0; nt < 4; nt += 2) {
+            uint32_t r[4];
+            ldmatrix_x4_trans(r, k_trans + kc * 16 * kStride * 2 + (d0 + nt * 8) * 2);
+            mma_16816<kBf16>(acc[nt], a, r[0], r[1]);
+            mma_16816<kBf16>(acc[nt + 1], a, r[2], r[3]);
+          }
+        }
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) {
+          if (valid_a) {
+            atomicAdd(dq_a + d0 + nt * 8, acc[nt][0]);
+            atomicAdd(dq_a + d0 + nt * 8 + 1, acc[nt][1]);
+          }
+          if (valid_b) {
+            atomicAdd(dq_b + d0 + nt * 8, acc[nt][2]);
+            atomicAdd(dq_b + d0 + nt * 8 + 1, acc[nt][3]);
+          }
+        }
+      }
+      __syncthreads();  // q/dO/dS tiles are free for the next query block
+    }
+  }
+
+  const bool valid_a = k0 + key_a < seq, valid_b = k0 + key_b < seq;
+  const int64_t offset_a = ((b * seq + k0 + key_a) * kv_heads + g) * D + 2 * thread_in_group;
+  const int64_t offset_b = offset_a + 8 * kv_stride;
+#pragma unroll
+  for (int dt = 0; dt < D / 8; ++dt) {
+    if (valid_a) {
+      store_float(t.dk, t.dk_type, offset_a + dt * 8, dk[dt][0]);
+      store_float(t.dk, t.dk_type, offset_a + dt * 8 + 1, dk[dt][1]);
+      store_float(t.dv, t.dv_type, offset_a + dt * 8, dv[dt][0]);
+      store_float(t.dv, t.dv_type, offset_a + dt * 8 + 1, dv[dt][1]);
+    }
+    if (valid_b) {
+      store_float(t.dk, t.dk_type, offset_b + dt * 8, dk[dt][2]);
+      store_float(t.dk, t.dk_type, offset_b + dt * 8 + 1, dk[dt][3]);
+      store_float(t.dv, t.dv_type, offset_b + dt * 8, dv[dt][2]);
+      store_float(t.dv, t.dv_type, offset_b + dt * 8 + 1, dv[dt][3]);
+    }
+  }
+}
+
+// ================================ dispatch =====================================================
+
+bool aligned16(const void* pointer) { return (reinterpret_cast<uintptr_t>(pointer) & 15) == 0; }
+
+template <typename Kernel>
+void allow_shared(Kernel kernel, int bytes) {
+  // Set on every launch: cheap, and correct for whichever device is current.
+  MT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+}
+
+template <int D, bool kBf16>
+void launch_forward_tc(const AttentionParams& p, const FlashTensors& t, cudaStream_t stream) {
+  constexpr int bytes = forward_shared_bytes<D>();
+  allow_shared(flash_forward_tc<D, kBf16>, bytes);
+  const dim3 grid(static_cast<unsigned>((p.seq + kBlock - 1) / kBlock),
+                  static_cast<unsigned>(p.n_heads), static_cast<unsigned>(p.batch));
+  flash_forward_tc<D, kBf16><<<grid, kThreads, bytes, stream>>>(p, t);
+  MT_CUDA_CHECK_LAUNCH();
+}
+
+template <int D, bool kBf16>
+void launch_backward_tc(const AttentionParams& p, const FlashTensors& t, cudaStream_t stream) {
+  constexpr int bytes = backward_shared_bytes<D>();
+  allow_shared(flash_backward_tc<D, kBf16>, bytes);
+  const dim3 grid(static_cast<unsigned>((p.seq + kBlock - 1) / kBlock),
+                  static_cast<unsigned>(p.n_kv_heads), static_cast<unsigned>(p.batch));
+  flash_backward_tc<D, kBf16><<<grid, kThreads, bytes, stream>>>(p, t);
+  MT_CUDA_CHECK_LAUNCH();
+}
+
+unsigned warp_rows_grid(int64_t rows) {
+  return static_cast<unsigned>((rows + kGenericWarps - 1) / kGenericWarps);
+}
+
+}  // namespace
+
+bool attention_flash_uses_tensor_cores(const AttentionParams& p, const FlashTensors& t,
+                                       bool backward) {
+  if (p.head_dim != 64 && p.head_dim != 128) return false;
+  const DType type = t.q_type;
+  if (type != DType::bf16 && type != DType::f16) return false;
+  if (t.k_type != type || t.v_type != type) return false;
+  if (!aligned16(t.q) || !aligned16(t.k) || !aligned16(t.v)) return false;
+  if (backward && (t.d_out_type != type || !aligned16(t.d_out))) return false;
+  if (p.batch > 65535 || p.n_heads > 65535) return false;
+  return true;
+}
+
+void attention_flash_forward(const AttentionParams& p, const FlashTensors& t,
+                             cudaStream_t stream) {
+  if (attention_flash_uses_tensor_cores(p, t, false)) {
+    const bool bf16 = t.q_type == DType::bf16;
+    if (p.head_dim == 64) {
+      bf16 ? launch_forward_tc<64, true>(p, t, stream) : launch_forward_tc<64, false>(p, t, stream);
+    } else {
+      bf16 ? launch_forward_tc<128, true>(p, t, stream) : launch_forward_tc<128, false>(p, t, stream);
+    }
+    return;
+  }
+  flash_forward_generic<<<warp_rows_grid(p.batch * p.n_heads * p.seq), kGenericWarps * 32, 0,
+                          stream>>>(p, t);
+  MT_CUDA_CHECK_LAUNCH();
+}
+
+void attention_flash_backward(const AttentionParams& p, const FlashTensors& t,
+                              cudaStream_t stream) {
+  const bool tensor_cores = attention_flash_uses_tensor_cores(p, t, true);
+  const int64_t query_rows = p.batch * p.n_heads * p.seq;
+  flash_delta_kernel<<<warp_rows_grid(query_rows), kGenericWarps * 32, 0, stream>>>(p, t,
+                                                                                    tensor_cores);
+  MT_CUDA_CHECK_LAUNCH();
+  if (tensor_cores) {
+    const bool bf16 = t.q_type == DType::bf16;
+    if (p.head_dim == 64) {
+      bf16 ? launch_backward_tc<64, true>(p, t, stream) : launch_backward_tc<64, false>(p, t, stream);
+    } else {
+      bf16 ? launch_backward_tc<128, true>(p, t, stream) : launch_backward_tc<128, false>(p, t, stream);
+    }
+    launch_convert(t.dq, t.dq_type, t.dq_accum, DType::f32, query_rows * p.head_dim, stream);
+    return;
+  }
+  flash_dq_generic<<<warp_rows_grid(query_rows), kGenericWarps * 32, 0, stream>>>(p, t);
+  MT_CUDA_CHECK_LAUNCH();
+  flash_dkdv_generic<<<warp_rows_grid(p.batch * p.n_kv_heads * p.seq), kGenericWarps * 32, 0,
+                       stream>>>(p, t);
+  MT_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace memtune::cuda

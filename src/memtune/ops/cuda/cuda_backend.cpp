@@ -1,0 +1,500 @@
+// CudaBackend: argument checks (the same as the CPU backend's, on cuda tensors) and launches of
+// the kernels declared in cuda_ops.h. See cuda_backend.h for the stream and the memory the
+// backend owns, and cuda_ops.h for why this file, not a .cu, holds the class.
+#include "memtune/ops/cuda/cuda_backend.h"
+
+#include <cmath>
+
+#include "memtune/ops/cuda/cuda_check.h"
+
+namespace memtune {
+namespace {
+
+void check_float_tensor(const Tensor& t, const char* what) {
+  MT_ASSERT(t.device == Device::cuda, "{}: tensor on {}, not cuda", what, device_name(t.device));
+  MT_ASSERT(dtype_is_float(t.dtype), "{}: dtype {} is not a float dtype", what,
+            dtype_name(t.dtype));
+  MT_ASSERT(t.data != nullptr || t.numel() == 0, "{}: no data", what);
+}
+
+void check_tensor(const Tensor& t, DType dtype, const char* what) {
+  MT_ASSERT(t.device == Device::cuda, "{}: tensor on {}, not cuda", what, device_name(t.device));
+  MT_ASSERT(t.dtype == dtype, "{}: dtype {}, expected {}", what, dtype_name(t.dtype),
+            dtype_name(dtype));
+  MT_ASSERT(t.data != nullptr || t.numel() == 0, "{}: no data", what);
+}
+
+void check_same_count(const Tensor& t, const Tensor& like, const char* what) {
+  MT_ASSERT(t.numel() == like.numel(), "{}: {} vs {}", what, t.shape.str(), like.shape.str());
+}
+
+cuda::AttentionParams attention_params(const AttentionDims& dims, const Tensor& q,
+                                       const Tensor& k, const Tensor& v, const Tensor& segments) {
+  MT_ASSERT(dims.batch > 0 && dims.seq > 0 && dims.head_dim > 0, "attention: empty dims");
+  MT_ASSERT(dims.n_heads > 0 && dims.n_kv_heads > 0 && dims.n_heads % dims.n_kv_heads == 0,
+            "attention: {} query heads not a multiple of {} kv heads", dims.n_heads,
+            dims.n_kv_heads);
+  MT_ASSERT(dims.scale > 0.0f, "attention: scale {} not set", dims.scale);
+  check_float_tensor(q, "attention q");
+  check_float_tensor(k, "attention k");
+  check_float_tensor(v, "attention v");
+  const int64_t n = dims.tokens();
+  MT_ASSERT(q.numel() == n * dims.n_heads * dims.head_dim, "attention q {} vs N {} x {} x {}",
+            q.shape.str(), n, dims.n_heads, dims.head_dim);
+  MT_ASSERT(k.numel() == n * dims.n_kv_heads * dims.head_dim, "attention k {} vs N {} x {} x {}",
+            k.shape.str(), n, dims.n_kv_heads, dims.head_dim);
+  MT_ASSERT(v.numel() == k.numel(), "attention v {} vs k {}", v.shape.str(), k.shape.str());
+  cuda::AttentionParams p;
+  p.batch = dims.batch;
+  p.seq = dims.seq;
+  p.n_heads = dims.n_heads;
+  p.n_kv_heads = dims.n_kv_heads;
+  p.head_dim = dims.head_dim;
+  p.scale = dims.scale;
+  if (!segments.empty()) {
+    check_tensor(segments, DType::i32, "attention segments");
+    MT_ASSERT(segments.numel() == n, "attention segments {} vs N {}", segments.shape.str(), n);
+    p.segments = segments.as<const int32_t>();
+  }
+  return p;
+}
+
+void check_matrix(const Tensor& t, const AttentionDims& dims, const char* what) {
+  check_float_tensor(t, what);
+  MT_ASSERT(t.numel() == dims.batch * dims.n_heads * dims.seq * dims.seq,
+            "{} {} is not [batch {}, heads {}, seq {}, seq]", what, t.shape.str(), dims.batch,
+            dims.n_heads, dims.seq);
+}
+
+void check_rows(const Tensor& t, const AttentionDims& dims, const char* what) {
+  check_tensor(t, DType::f32, what);
+  MT_ASSERT(t.numel() == dims.batch * dims.n_heads * dims.seq,
+            "{} {} is not [batch {}, heads {}, seq {}]", what, t.shape.str(), dims.batch,
+            dims.n_heads, dims.seq);
+}
+
+}  // namespace
+
+bool cuda_device_available() {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    (void)cudaGetLastError();  // clear the sticky "no device" error
+    return false;
+  }
+  return count > 0;
+}
+
+CudaBackend::CudaBackend() {
+  MT_CUDA_CHECK(cudaMalloc(&workspace_, kWorkspaceBytes));
+  MT_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&reduction_scratch_),
+                           sizeof(float) * cuda::kMaxPartials));
+  gemm_ = cuda::gemm_context_create(workspace_, kWorkspaceBytes);
+}
+
+CudaBackend::~CudaBackend() {
+  cudaDeviceSynchronize();
+  cuda::gemm_context_destroy(gemm_);
+  cudaFree(reduction_scratch_);
+  cudaFree(workspace_);
+}
+
+void* CudaBackend::allocate_arena(uint64_t bytes) {
+  void* base = nullptr;
+  MT_CUDA_CHECK(cudaMalloc(&base, bytes == 0 ? 256 : bytes));  // cudaMalloc aligns to 256
+  return base;
+}
+
+void CudaBackend::free_arena(void* base) {
+  MT_CUDA_CHECK(cudaDeviceSynchronize());
+  MT_CUDA_CHECK(cudaFree(base));
+}
+
+void CudaBackend::copy_from_host(const Tensor& dst, const void* host_src) {
+  MT_ASSERT(dst.device == Device::cuda, "copy_from_host into a {} tensor",
+            device_name(dst.device));
+  if (dst.nbytes() > 0)
+    MT_CUDA_CHECK(cudaMemcpy(dst.data, host_src, dst.nbytes(), cudaMemcpyHostToDevice));
+}
+
+void CudaBackend::copy_to_host(void* host_dst, const Tensor& src) {
+  MT_ASSERT(src.device == Device::cuda, "copy_to_host from a {} tensor",
+            device_name(src.device));
+  if (src.nbytes() > 0)
+    MT_CUDA_CHECK(cudaMemcpy(host_dst, src.data, src.nbytes(), cudaMemcpyDeviceToHost));
+}
+
+void CudaBackend::synchronize() { MT_CUDA_CHECK(cudaDeviceSynchronize()); }
+
+// ---- elementwise ------------------------------------------------------------------------------
+
+void CudaBackend::fill(const Tensor& dst, float value) {
+  check_float_tensor(dst, "fill dst");
+  cuda::launch_fill(dst.data, dst.dtype, dst.numel(), value, stream_);
+}
+
+void CudaBackend::convert(const Tensor& dst, const Tensor& src) {
+  check_float_tensor(dst, "convert dst");
+  check_float_tensor(src, "convert src");
+  check_same_count(dst, src, "convert");
+  cuda::launch_convert(dst.data, dst.dtype, src.data, src.dtype, dst.numel(), stream_);
+}
+
+void CudaBackend::add(const Tensor& dst, const Tensor& a, const Tensor& b) {
+  check_float_tensor(dst, "add dst");
+  check_float_tensor(a, "add a");
+  check_float_tensor(b, "add b");
+  check_same_count(dst, a, "add");
+  check_same_count(dst, b, "add");
+  cuda::launch_add(dst.data, dst.dtype, a.data, a.dtype, b.data, b.dtype, dst.numel(), stream_);
+}
+
+void CudaBackend::scale(const Tensor& dst, float value) {
+  check_float_tensor(dst, "scale dst");
+  cuda::launch_scale(dst.data, dst.dtype, dst.numel(), value, stream_);
+}
+
+void CudaBackend::fill_random(const Tensor& dst, Distribution distribution, float a, float b,
+                              uint64_t seed) {
+  check_float_tensor(dst, "fill_random dst");
+  cuda::launch_fill_random(dst.data, dst.dtype, dst.numel(),
+                           distribution == Distribution::uniform ? 1 : 0, a, b, seed, stream_);
+}
+
+void CudaBackend::sum_squares(const Tensor& acc, const Tensor& x) {
+  check_tensor(acc, DType::f32, "sum_squares acc");
+  MT_ASSERT(acc.numel() == 1, "sum_squares acc {} is not one value", acc.shape.str());
+  check_float_tensor(x, "sum_squares x");
+  cuda::launch_sum_squares(acc.as<float>(), x.data, x.dtype, x.numel(), reduction_scratch_,
+                           stream_);
+}
+
+// ---- GEMM -----------------------------------------------------------------------------------------
+
+void CudaBackend::matmul(const Tensor& c, const Tensor& a, bool transpose_a, const Tensor& b,
+                         bool transpose_b, float alpha, float beta) {
+  check_float_tensor(c, "matmul c");
+  check_float_tensor(a, "matmul a");
+  check_float_tensor(b, "matmul b");
+  MT_ASSERT(a.shape.ndim == 2 && b.shape.ndim == 2 && c.shape.ndim == 2,
+            "matmul wants 2-D views: c {} a {} b {}", c.shape.str(), a.shape.str(),
+            b.shape.str());
+  const int64_t m = transpose_a ? a.dim(1) : a.dim(0);
+  const int64_t k = transpose_a ? a.dim(0) : a.dim(1);
+  const int64_t kb = transpose_b ? b.dim(1) : b.dim(0);
+  const int64_t n = transpose_b ? b.dim(0) : b.dim(1);
+  MT_ASSERT(k == kb && c.dim(0) == m && c.dim(1) == n,
+            "matmul shapes: c {} = op(a {}{}) @ op(b {}{})", c.shape.str(), a.shape.str(),
+            transpose_a ? "^T" : "", b.shape.str(), transpose_b ? "^T" : "");
+  if (m == 0 || n == 0) return;
+  MT_ASSERT(c.data != a.data && c.data != b.data, "matmul: c aliases an input");
+  cuda::GemmArgs args;
+  args.c = c.data;
+  args.c_type = c.dtype;
+  args.ldc = n;
+  args.a = a.data;
+  args.a_type = a.dtype;
+  args.transpose_a = transpose_a;
+  args.lda = a.dim(1);
+  args.b = b.data;
+  args.b_type = b.dtype;
+  args.transpose_b = transpose_b;
+  args.ldb = b.dim(1);
+  args.m = m;
+  args.n = n;
+  args.k = k;
+  args.alpha = alpha;
+  args.beta = beta;
+  cuda::gemm(gemm_, args, stream_);
+}
+
+// ---- model ops ------------------------------------------------------------------------------------
+
+void CudaBackend::embedding_forward(const Tensor& out, const Tensor& table, const Tensor& ids) {
+  check_float_tensor(out, "embedding out");
+  check_float_tensor(table, "embedding table");
+  check_tensor(ids, DType::i32, "embedding ids");
+  MT_ASSERT(table.shape.ndim == 2, "embedding table {} is not 2-D", table.shape.str());
+  const int64_t vocab = table.dim(0), hidden = table.dim(1), n = ids.numel();
+  MT_ASSERT(out.numel() == n * hidden && out.cols() == hidden,
+            "embedding out {} for {} ids of width {}", out.shape.str(), n, hidden);
+  cuda::launch_embedding(out.data, out.dtype, table.data, table.dtype, vocab, hidden,
+                         ids.as<const int32_t>(), n, stream_);
+}
+
+namespace {
+void check_norm_args(const char* op, const Tensor& x, const Tensor& weight, const Tensor& rstd) {
+  check_float_tensor(x, op);
+  check_float_tensor(weight, op);
+  check_tensor(rstd, DType::f32, op);
+  MT_ASSERT(x.shape.ndim >= 1 && weight.numel() == x.cols(), "{}: weight {} for x {}", op,
+            weight.shape.str(), x.shape.str());
+  MT_ASSERT(rstd.numel() == x.rows(), "{}: rstd {} for {} rows", op, rstd.shape.str(), x.rows());
+}
+}  // namespace
+
+void CudaBackend::rmsnorm_forward(const Tensor& out, const Tensor& rstd, const Tensor& x,
+                                  const Tensor& weight, float eps) {
+  check_norm_args("rmsnorm_forward", x, weight, rstd);
+  check_float_tensor(out, "rmsnorm_forward out");
+  check_same_count(out, x, "rmsnorm_forward out");
+  cuda::launch_rmsnorm_forward(out.data, out.dtype, rstd.as<float>(), x.data, x.dtype,
+                               weight.data, weight.dtype, x.rows(), x.cols(), eps, stream_);
+}
+
+void CudaBackend::rmsnorm_backward(const Tensor& dx, const Tensor& dy, const Tensor& x,
+                                   const Tensor& weight, const Tensor& rstd, bool accumulate) {
+  check_norm_args("rmsnorm_backward", x, weight, rstd);
+  check_float_tensor(dx, "rmsnorm_backward dx");
+  check_float_tensor(dy, "rmsnorm_backward dy");
+  check_same_count(dx, x, "rmsnorm_backward dx");
+  check_same_count(dy, x, "rmsnorm_backward dy");
+  cuda::launch_rmsnorm_backward(dx.data, dx.dtype, dy.data, dy.dtype, x.data, x.dtype,
+                                weight.data, weight.dtype, rstd.as<const float>(), x.rows(),
+                                x.cols(), accumulate, stream_);
+}
+
+namespace {
+void check_rope_args(const char* op, const Tensor& x, const Tensor& positions,
+                     const Tensor& inv_freq, int64_t head_dim) {
+  check_float_tensor(x, op);
+  MT_ASSERT(positions.dtype == DType::i32 || positions.dtype == DType::f32,
+            "{}: positions dtype {}", op, dtype_name(positions.dtype));
+  MT_ASSERT(positions.device == Device::cuda && positions.numel() == x.rows(),
+            "{}: positions {} for x {}", op, positions.shape.str(), x.shape.str());
+  check_tensor(inv_freq, DType::f32, op);
+  MT_ASSERT(head_dim > 0 && head_dim % 2 == 0 && x.cols() % head_dim == 0,
+            "{}: head_dim {} for x {}", op, head_dim, x.shape.str());
+  MT_ASSERT(inv_freq.numel() == head_dim / 2, "{}: inv_freq {} for head_dim {}", op,
+            inv_freq.shape.str(), head_dim);
+}
+}  // namespace
+
+void CudaBackend::rope_forward(const Tensor& x, const Tensor& positions, const Tensor& inv_freq,
+                               int64_t head_dim) {
+  check_rope_args("rope_forward", x, positions, inv_freq, head_dim);
+  cuda::launch_rope(x.data, x.dtype, x.rows(), x.cols(), positions.data, positions.dtype,
+                    inv_freq.as<const float>(), head_dim, /*inverse=*/false, stream_);
+}
+
+void CudaBackend::rope_backward(const Tensor& dx, const Tensor& positions, const Tensor& inv_freq,
+                                int64_t head_dim) {
+  check_rope_args("rope_backward", dx, positions, inv_freq, head_dim);
+  cuda::launch_rope(dx.data, dx.dtype, dx.rows(), dx.cols(), positions.data, positions.dtype,
+                    inv_freq.as<const float>(), head_dim, /*inverse=*/true, stream_);
+}
+
+void CudaBackend::swiglu_forward(const Tensor& out, const Tensor& gate, const Tensor& up) {
+  check_float_tensor(out, "swiglu_forward out");
+  check_float_tensor(gate, "swiglu_forward gate");
+  check_float_tensor(up, "swiglu_forward up");
+  check_same_count(gate, out, "swiglu_forward gate");
+  check_same_count(up, out, "swiglu_forward up");
+  cuda::launch_swiglu_forward(out.data, out.dtype, gate.data, gate.dtype, up.data, up.dtype,
+                              out.numel(), stream_);
+}
+
+void CudaBackend::swiglu_backward(const Tensor& d_gate, const Tensor& d_up, const Tensor& d_out,
+                                  const Tensor& gate, const Tensor& up) {
+  check_float_tensor(d_gate, "swiglu_backward d_gate");
+  check_float_tensor(d_up, "swiglu_backward d_up");
+  check_float_tensor(d_out, "swiglu_backward d_out");
+  check_float_tensor(gate, "swiglu_backward gate");
+  check_float_tensor(up, "swiglu_backward up");
+  check_same_count(gate, d_out, "swiglu_backward gate");
+  check_same_count(up, d_out, "swiglu_backward up");
+  check_same_count(d_gate, d_out, "swiglu_backward d_gate");
+  check_same_count(d_up, d_out, "swiglu_backward d_up");
+  cuda::launch_swiglu_backward(d_gate.data, d_gate.dtype, d_up.data, d_up.dtype, d_out.data,
+                               d_out.dtype, gate.data, gate.dtype, up.data, up.dtype,
+                               d_out.numel(), stream_);
+}
+
+// ---- attention --------------------------------------------------------------------------------------
+
+void CudaBackend::attention_eager_forward(const Tensor& out, const Tensor& probs,
+                                          const Tensor& scores_scratch, const Tensor& q,
+                                          const Tensor& k, const Tensor& v,
+                                          const Tensor& segments, const AttentionDims& dims) {
+  const cuda::AttentionParams p = attention_params(dims, q, k, v, segments);
+  check_float_tensor(out, "attention_eager_forward out");
+  check_same_count(out, q, "attention_eager_forward out");
+  check_matrix(probs, dims, "attention_eager_forward probs");
+  check_matrix(scores_scratch, dims, "attention_eager_forward scores_scratch");
+  cuda::attention_eager_forward(gemm_, p, out.data, out.dtype, probs.data, probs.dtype,
+                                scores_scratch.data, scores_scratch.dtype, q.data, q.dtype,
+                                k.data, k.dtype, v.data, v.dtype, stream_);
+}
+
+void CudaBackend::attention_eager_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv,
+                                           const Tensor& dprobs_scratch, const Tensor& d_out,
+                                           const Tensor& probs, const Tensor& q, const Tensor& k,
+                                           const Tensor& v, const Tensor& segments,
+                                           const AttentionDims& dims) {
+  const cuda::AttentionParams p = attention_params(dims, q, k, v, segments);
+  check_float_tensor(dq, "attention_eager_backward dq");
+  check_float_tensor(d_out, "attention_eager_backward d_out");
+  check_float_tensor(dk, "attention_eager_backward dk");
+  check_float_tensor(dv, "attention_eager_backward dv");
+  check_same_count(dq, q, "attention_eager_backward dq");
+  check_same_count(d_out, q, "attention_eager_backward d_out");
+  check_same_count(dk, k, "attention_eager_backward dk");
+  check_same_count(dv, k, "attention_eager_backward dv");
+  check_matrix(probs, dims, "attention_eager_backward probs");
+  check_matrix(dprobs_scratch, dims, "attention_eager_backward dprobs_scratch");
+  cuda::attention_eager_backward(gemm_, p, dq.data, dq.dtype, dk.data, dk.dtype, dv.data,
+                                 dv.dtype, dprobs_scratch.data, dprobs_scratch.dtype,
+                                 d_out.data, d_out.dtype, probs.data, probs.dtype, q.data,
+                                 q.dtype, k.data, k.dtype, v.data, v.dtype, stream_);
+}
+
+void CudaBackend::attention_flash_forward(const Tensor& out, const Tensor& lse, const Tensor& q,
+                                          const Tensor& k, const Tensor& v,
+                                          const Tensor& segments, const AttentionDims& dims) {
+  const cuda::AttentionParams p = attention_params(dims, q, k, v, segments);
+  check_float_tensor(out, "attention_flash_forward out");
+  check_same_count(out, q, "attention_flash_forward out");
+  check_rows(lse, dims, "attention_flash_forward lse");
+  cuda::FlashTensors t;
+  t.q = q.data;
+  t.k = k.data;
+  t.v = v.data;
+  t.out = out.data;
+  t.q_type = q.dtype;
+  t.k_type = k.dtype;
+  t.v_type = v.dtype;
+  t.out_type = out.dtype;
+  t.lse = lse.as<float>();
+  MT_ASSERT(cuda::attention_flash_uses_tensor_cores(p, t, false) ||
+                (dims.head_dim % 2 == 0 && dims.head_dim <= 256),
+            "attention_flash_forward: head_dim {} (the generic kernel takes even ones <= 256)",
+            dims.head_dim);
+  cuda::attention_flash_forward(p, t, stream_);
+}
+
+void CudaBackend::attention_flash_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv,
+                                           const Tensor& delta_scratch,
+                                           const Tensor& dq_accum_scratch, const Tensor& d_out,
+                                           const Tensor& out, const Tensor& lse, const Tensor& q,
+                                           const Tensor& k, const Tensor& v,
+                                           const Tensor& segments, const AttentionDims& dims) {
+  const cuda::AttentionParams p = attention_params(dims, q, k, v, segments);
+  check_float_tensor(dq, "attention_flash_backward dq");
+  check_float_tensor(d_out, "attention_flash_backward d_out");
+  check_float_tensor(out, "attention_flash_backward out");
+  check_float_tensor(dk, "attention_flash_backward dk");
+  check_float_tensor(dv, "attention_flash_backward dv");
+  check_same_count(dq, q, "attention_flash_backward dq");
+  check_same_count(d_out, q, "attention_flash_backward d_out");
+  check_same_count(out, q, "attention_flash_backward out");
+  check_same_count(dk, k, "attention_flash_backward dk");
+  check_same_count(dv, k, "attention_flash_backward dv");
+  check_rows(lse, dims, "attention_flash_backward lse");
+  check_rows(delta_scratch, dims, "attention_flash_backward delta_scratch");
+  check_tensor(dq_accum_scratch, DType::f32, "attention_flash_backward dq_accum_scratch");
+  check_same_count(dq_accum_scratch, q, "attention_flash_backward dq_accum_scratch");
+  cuda::FlashTensors t;
+  t.q = q.data;
+  t.k = k.data;
+  t.v = v.data;
+  t.out = out.data;
+  t.d_out = d_out.data;
+  t.dq = dq.data;
+  t.dk = dk.data;
+  t.dv = dv.data;
+  t.q_type = q.dtype;
+  t.k_type = k.dtype;
+  t.v_type = v.dtype;
+  t.out_type = out.dtype;
+  t.d_out_type = d_out.dtype;
+  t.dq_type = dq.dtype;
+  t.dk_type = dk.dtype;
+  t.dv_type = dv.dtype;
+  t.lse = lse.as<float>();
+  t.delta = delta_scratch.as<float>();
+  t.dq_accum = dq_accum_scratch.as<float>();
+  MT_ASSERT(cuda::attention_flash_uses_tensor_cores(p, t, true) ||
+                (dims.head_dim % 2 == 0 && dims.head_dim <= 256),
+            "attention_flash_backward: head_dim {} (the generic kernel takes even ones <= 256)",
+            dims.head_dim);
+  cuda::attention_flash_backward(p, t, stream_);
+}
+
+// ---- loss, dropout, optimizer ---------------------------------------------------------------------
+
+namespace {
+void check_cross_entropy_args(const char* op, const Tensor& loss_sum, const Tensor& logits,
+                              const Tensor& targets) {
+  check_tensor(loss_sum, DType::f32, op);
+  MT_ASSERT(loss_sum.numel() == 1, "{}: loss_sum {} is not one value", op, loss_sum.shape.str());
+  check_float_tensor(logits, op);
+  check_tensor(targets, DType::i32, op);
+  MT_ASSERT(logits.shape.ndim >= 1 && targets.numel() == logits.rows(),
+            "{}: targets {} for logits {}", op, targets.shape.str(), logits.shape.str());
+}
+}  // namespace
+
+void CudaBackend::cross_entropy_forward_backward(const Tensor& loss_sum, const Tensor& d_logits,
+                                                 const Tensor& logits, const Tensor& targets,
+                                                 float grad_scale) {
+  check_cross_entropy_args("cross_entropy_forward_backward", loss_sum, logits, targets);
+  check_float_tensor(d_logits, "cross_entropy_forward_backward d_logits");
+  MT_ASSERT(d_logits.numel() == logits.numel() && d_logits.numel() > 0,
+            "cross_entropy_forward_backward d_logits {} for logits {}", d_logits.shape.str(),
+            logits.shape.str());
+  cuda::launch_cross_entropy(loss_sum.as<float>(), d_logits.data, d_logits.dtype, logits.data,
+                             logits.dtype, targets.as<const int32_t>(), logits.rows(),
+                             logits.cols(), grad_scale, reduction_scratch_, stream_);
+}
+
+void CudaBackend::cross_entropy_forward(const Tensor& loss_sum, const Tensor& logits,
+                                        const Tensor& targets) {
+  check_cross_entropy_args("cross_entropy_forward", loss_sum, logits, targets);
+  cuda::launch_cross_entropy(loss_sum.as<float>(), nullptr, DType::f32, logits.data,
+                             logits.dtype, targets.as<const int32_t>(), logits.rows(),
+                             logits.cols(), 1.0f, reduction_scratch_, stream_);
+}
+
+void CudaBackend::dropout(const Tensor& out, const Tensor& x, float p, uint64_t seed) {
+  check_float_tensor(out, "dropout out");
+  check_float_tensor(x, "dropout x");
+  check_same_count(out, x, "dropout");
+  MT_ASSERT(p >= 0.0f && p < 1.0f, "dropout p {} outside [0, 1)", p);
+  if (p == 0.0f) {
+    convert(out, x);
+    return;
+  }
+  cuda::launch_dropout(out.data, out.dtype, x.data, x.dtype, x.numel(), p, seed, stream_);
+}
+
+void CudaBackend::adamw_step(const Tensor& param, const Tensor& grad, const Tensor& exp_avg,
+                             const Tensor& exp_avg_sq, const AdamWParams& params) {
+  check_tensor(param, DType::f32, "adamw param");
+  check_tensor(grad, DType::f32, "adamw grad");
+  check_tensor(exp_avg, DType::f32, "adamw exp_avg");
+  check_tensor(exp_avg_sq, DType::f32, "adamw exp_avg_sq");
+  const int64_t n = param.numel();
+  MT_ASSERT(grad.numel() == n && exp_avg.numel() == n && exp_avg_sq.numel() == n,
+            "adamw param {} grad {} exp_avg {} exp_avg_sq {}", param.shape.str(),
+            grad.shape.str(), exp_avg.shape.str(), exp_avg_sq.shape.str());
+  MT_ASSERT(params.step >= 1, "adamw step {} (1-based, after increment)", params.step);
+  // The scalars exactly as ops/cpu/adamw.cpp computes them (double, then fp32).
+  const double lr = params.lr, beta1 = params.beta1, beta2 = params.beta2;
+  const double step = static_cast<double>(params.step);
+  cuda::AdamWScalars s;
+  s.decay_factor = static_cast<float>(1.0 - lr * params.weight_decay);
+  s.avg_weight = static_cast<float>(1.0 - beta1);
+  s.beta2 = params.beta2;
+  s.sq_weight = static_cast<float>(1.0 - beta2);
+  s.bias_correction2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(beta2, step)));
+  s.neg_step_size = static_cast<float>(-(lr / (1.0 - std::pow(beta1, step))));
+  s.eps = params.eps;
+  s.grad_scale = params.grad_scale;
+  cuda::launch_adamw(param.as<float>(), grad.as<const float>(), exp_avg.as<float>(),
+                     exp_avg_sq.as<float>(), n, s, stream_);
+}
+
+#ifdef MEMTUNE_WITH_CUDA
+std::unique_ptr<Backend> make_cuda_backend() { return std::make_unique<CudaBackend>(); }
+#endif
+
+}  // namespace memtune
