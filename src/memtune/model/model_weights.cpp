@@ -84,15 +84,7 @@ void ModelWeights::upload(Backend& backend, size_t index, const void* host, DTyp
     }
     return;
   }
-  const Tensor& dst = tensors[index];
-  if (host_dtype == dst.dtype) {
-    backend.copy_from_host(dst, host);
-    return;
-  }
-  std::vector<uint8_t> converted(dst.nbytes());
-  for (int64_t i = 0; i < dst.numel(); ++i)
-    store_from_f32(converted.data(), dst.dtype, i, load_as_f32(host, host_dtype, i));
-  backend.copy_from_host(dst, converted.data());
+  copy_from_host_converted(backend, tensors[index], host, host_dtype);
 }
 
 void ModelWeights::init_random(Backend& backend, const LlamaConfig& config, uint64_t seed) {

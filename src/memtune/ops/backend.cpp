@@ -1,6 +1,7 @@
 #include "memtune/ops/backend.h"
 
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 namespace memtune {
@@ -50,6 +51,19 @@ void Backend::dequantize_4bit(const Tensor& out, const Quantized4bit& q) {
   std::vector<uint8_t> dense(out.nbytes());
   memtune::dequantize_4bit(host, dense.data(), out.dtype);
   copy_from_host(out, dense.data());
+}
+
+void copy_from_host_converted(Backend& backend, const Tensor& dst, const void* host, DType host_dtype) {
+  if (host_dtype == dst.dtype) {
+    backend.copy_from_host(dst, host);  // bytewise: alignment does not matter
+    return;
+  }
+  std::vector<uint8_t> aligned(static_cast<size_t>(dst.numel()) * dtype_size(host_dtype));
+  std::memcpy(aligned.data(), host, aligned.size());
+  std::vector<uint8_t> converted(dst.nbytes());
+  for (int64_t i = 0; i < dst.numel(); ++i)
+    store_from_f32(converted.data(), dst.dtype, i, load_as_f32(aligned.data(), host_dtype, i));
+  backend.copy_from_host(dst, converted.data());
 }
 
 void Backend::fill_random(const Tensor& dst, Distribution distribution, float a, float b,

@@ -176,6 +176,10 @@ class Backend {
   float read_scalar(const Tensor& scalar);
 };
 
+// copy_from_host with a dtype conversion on the host (f32/f16/bf16 -> dst.dtype). `host` need
+// not be aligned for its dtype (safetensors data is not).
+void copy_from_host_converted(Backend& backend, const Tensor& dst, const void* host, DType host_dtype);
+
 std::unique_ptr<Backend> make_cpu_backend();
 std::unique_ptr<Backend> make_meta_backend();
 #ifdef MEMTUNE_WITH_CUDA

@@ -39,19 +39,8 @@ void Engine::init_adapters(uint64_t seed) {
 
 namespace {
 
-// Converts a checkpoint tensor (F32/F16/BF16) into `dst`'s dtype on the host, then copies.
 void upload_converted(Backend& backend, const Tensor& dst, const SafetensorsTensor& src) {
-  const int64_t n = dst.numel();
-  if (src.dtype == dst.dtype) {
-    backend.copy_from_host(dst, src.data);  // safetensors data may be unaligned: copy is bytewise
-    return;
-  }
-  std::vector<uint8_t> converted(dst.nbytes());
-  std::vector<uint8_t> aligned(src.nbytes);
-  std::memcpy(aligned.data(), src.data, src.nbytes);
-  for (int64_t i = 0; i < n; ++i)
-    store_from_f32(converted.data(), dst.dtype, i, load_as_f32(aligned.data(), src.dtype, i));
-  backend.copy_from_host(dst, converted.data());
+  copy_from_host_converted(backend, dst, src.data, src.dtype);
 }
 
 }  // namespace
