@@ -1,35 +1,115 @@
 #!/usr/bin/env bash
-# Runs the GPU checks on a machine with a CUDA device and writes the logs under $OUT.
-#   scripts/device-check.sh [BIN_DIR]    (BIN_DIR: the folder holding memtune_gpu_tests,
-#                                         default build-cuda)
-# Any shared libraries placed beside the binaries (e.g. a libgomp for a machine without one)
-# are found through LD_LIBRARY_PATH. The last lines printed are a summary; the full gtest log
-# and XML are in $OUT.
+# The GPU checks and benchmarks, run on a machine with a CUDA device; logs go under $OUT.
+#
+#   scripts/device-check.sh [BIN_DIR] [PARTS]
+#     BIN_DIR  the folder holding memtune and memtune_gpu_tests (default build); shared
+#              libraries placed beside them (e.g. a libgomp for a machine without one) are
+#              found through LD_LIBRARY_PATH
+#     PARTS    comma list, default tests,sanitizer,ladder,peer:
+#       tests      memtune_gpu_tests (every kernel and whole steps against the CPU backend)
+#       sanitizer  compute-sanitizer memcheck and racecheck on a short training run
+#       ladder     the memory ladder, Llama-3.1-8B architecture (random weights), b2 x 2048
+#       peer       bench/peer_hf.py: transformers + PEFT (+ bitsandbytes) on the same rungs
+#       bench      the op benchmarks in BIN_DIR (bench_*), where built
+#
+# Environment: LADDER_ARGS (extra memtune ladder options), PEER_ARGS (extra peer options),
+# TEST_TIMEOUT (seconds, default 300). The last lines printed are a summary per part.
 set -u
-BIN_DIR=${1:-build-cuda}
+BIN_DIR=${1:-build}
+PARTS=${2:-tests,sanitizer,ladder,peer}
 OUT=${OUT:-/tmp/memtune-device-check}
-TEST_TIMEOUT=${TEST_TIMEOUT:-200}
-mkdir -p "$OUT"
-export LD_LIBRARY_PATH="$(cd "$BIN_DIR" && pwd)${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+# Logs are written to WORK and bundled into $OUT/results.tar.gz at the end (the device tool
+# brings back only a few files); the summary printed here is the quick view.
+WORK=${WORK:-/tmp/memtune-device-work}
+TEST_TIMEOUT=${TEST_TIMEOUT:-300}
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+BIN_DIR=$(cd "$BIN_DIR" && pwd)
+mkdir -p "$OUT" "$WORK"
+export LD_LIBRARY_PATH="$BIN_DIR${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export PATH=/usr/local/cuda/bin:$PATH
+has_part() { [[ ",$PARTS," == *",$1,"* ]]; }
+status=0
+stamp() { echo "== $1 ($(date -u +%H:%M:%S))"; }
 
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv \
-  > "$OUT/device.txt" 2>&1
-cat "$OUT/device.txt"
+  > "$WORK/device.txt" 2>&1
+cat "$WORK/device.txt"
+(cd "$ROOT" && git rev-parse --short HEAD 2>/dev/null) > "$WORK/commit.txt" || true
 
-status=0
-if [ -x "$BIN_DIR/memtune_gpu_tests" ]; then
-  timeout "$TEST_TIMEOUT" "$BIN_DIR/memtune_gpu_tests" --gtest_output=xml:"$OUT/gpu_tests.xml" \
-    > "$OUT/gpu_tests.log" 2>&1
-  status=$?
-  echo "memtune_gpu_tests exit code: $status (124: timed out after ${TEST_TIMEOUT}s)"
+# The ladder's shape, shared with the peer so that both run the same configuration.
+MODEL_ARGS="--model llama-3.1-8b --batch 2 --accum ${LADDER_ACCUM:-2} --seq 2048 --lora_r 16 --lora_alpha 16 --lora_target_modules all-linear"
+STEPS=${LADDER_STEPS:-3}
+
+if has_part tests; then
+  stamp tests
+  timeout "$TEST_TIMEOUT" "$BIN_DIR/memtune_gpu_tests" --gtest_output=xml:"$WORK/gpu_tests.xml" \
+    > "$WORK/gpu_tests.log" 2>&1
+  rc=$?
+  echo "memtune_gpu_tests exit code: $rc (124: timed out after ${TEST_TIMEOUT}s)"
+  [ $rc -ne 0 ] && status=1
   # Failures first (with their messages), then timings and the summary.
-  grep -E "Failure|error|Expected|Which is|relative norm|non-finite|FAILED" "$OUT/gpu_tests.log" \
-    | head -c 5000
+  grep -E "Failure|error|Expected|Which is|relative norm|non-finite|FAILED|grew" "$WORK/gpu_tests.log" \
+    | head -c 6000
   echo "----"
-  grep -E "TIMING|flash fwd|eager fwd|flash [0-9]|^\s+b[0-9]+ s[0-9]+|\[       OK \]|\[  FAILED  \]|\[  PASSED  \]|SKIPPED" \
-    "$OUT/gpu_tests.log" | tail -c 6000
-else
-  echo "no $BIN_DIR/memtune_gpu_tests"
-  status=1
+  grep -E "TIMING|PLAN|GB/s|flash fwd|eager fwd|flash [0-9]|^\s+b[0-9]+ s[0-9]+|\[  FAILED  \]|\[  PASSED  \]|tests ran|SKIPPED" \
+    "$WORK/gpu_tests.log" | tail -c 5000
 fi
+
+if has_part sanitizer; then
+  stamp sanitizer
+  # A short run touching every kernel family: eager and flash attention, checkpointing, the
+  # chunked loss, QLoRA dequantization and the optimizer, on the tiny model.
+  for tool in memcheck racecheck; do
+    for variant in "--bf16 --attn_implementation eager" \
+                   "--bf16 --attn_implementation flash --gradient_checkpointing --loss_implementation chunked --load_in_4bit"; do
+      timeout 240 compute-sanitizer --tool "$tool" --error-exitcode 9 \
+        "$BIN_DIR/memtune" train --model tiny --device cuda --seq 64 --batch 2 --accum 2 \
+        --max_steps 2 --quiet --out "$WORK/sanitizer-out" $variant \
+        >> "$WORK/sanitizer-$tool.log" 2>&1
+      rc=$?
+      echo "compute-sanitizer $tool [$variant]: exit $rc; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$WORK/sanitizer-$tool.log" | tail -1)"
+      [ $rc -ne 0 ] && { status=1; grep -m5 -E "Invalid|Error|race" "$WORK/sanitizer-$tool.log"; }
+    done
+  done
+fi
+
+if has_part ladder; then
+  stamp ladder
+  timeout 420 "$BIN_DIR/memtune" ladder $MODEL_ARGS --vram 24GiB --device cuda \
+    --steps-per-rung "$STEPS" --out "$WORK/ladder" ${LADDER_ARGS:-} > "$WORK/ladder.log" 2>&1
+  rc=$?
+  echo "memtune ladder exit code: $rc"
+  [ $rc -ne 0 ] && status=1
+  tail -c 5000 "$WORK/ladder.log"
+fi
+
+if has_part peer; then
+  stamp peer
+  # Sourced: where pip refuses a system install it installs to a folder and exports PYTHONPATH.
+  source "$ROOT/bench/install_peer_wheels.sh" > "$WORK/peer_install.log" 2>&1 || true
+  tail -3 "$WORK/peer_install.log"
+  timeout 540 python3 "$ROOT/bench/peer_hf.py" --config "$ROOT/configs/models/llama-3.1-8b.json" \
+    --batch 2 --accum "${LADDER_ACCUM:-2}" --seq 2048 --steps "$STEPS" --lr 2e-4 --weight-decay 0 --max-grad-norm 1.0 --lora-r 16 --lora-alpha 16 \
+    --out "$WORK/peer.json" \
+    ${PEER_ARGS:-} > "$WORK/peer.log" 2>&1
+  rc=$?
+  echo "peer_hf.py exit code: $rc"
+  [ $rc -ne 0 ] && status=1
+  tail -c 4000 "$WORK/peer.log"
+  if [ -f "$WORK/ladder/ladder.json" ] && [ -f "$WORK/peer.json" ]; then
+    "$BIN_DIR/memtune" report --ladder "$WORK/ladder/ladder.json" --peer "$WORK/peer.json" \
+      --out "$WORK/ladder" > "$WORK/report.log" 2>&1 && tail -c 4000 "$WORK/report.log"
+  fi
+fi
+
+if has_part bench; then
+  stamp bench
+  for b in "$BIN_DIR"/bench_*; do
+    [ -x "$b" ] || continue
+    timeout 120 "$b" > "$WORK/$(basename "$b").log" 2>&1
+    echo "$(basename "$b") exit $?"; tail -30 "$WORK/$(basename "$b").log"
+  done
+fi
+stamp done
+tar -czf "$OUT/results.tar.gz" -C "$WORK" . && ls -la "$OUT"
 exit "$status"

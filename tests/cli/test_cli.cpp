@@ -269,3 +269,203 @@ TEST(CliLadder, CpuLadderWritesEveryRungWithEveryField) {
 }
 
 }  // namespace
+
+namespace {
+
+std::vector<nlohmann::json> read_jsonl(const fs::path& file) {
+  std::ifstream in(file);
+  std::vector<nlohmann::json> records;
+  for (std::string line; std::getline(in, line);) records.push_back(nlohmann::json::parse(line));
+  return records;
+}
+
+TEST(CliLadder, IsolateProgressAndMetrics) {
+  const fs::path dir = temp_dir("ladder_isolate");
+  // Not --quiet: the progress line goes to stderr, here a pipe, so plain lines with an ETA.
+  const Result r = memtune_cli("ladder --model tiny --seq 16 --batch 2 --accum 1 --steps-per-rung 2 --device cpu --isolate "
+                               "--metrics " + (dir / "metrics.jsonl").string() + " --out " + dir.string());
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("ETA"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("[1/22] fp16 baseline  step 1/2"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find('\r'), std::string::npos);
+
+  std::ifstream in(dir / "ladder.json");
+  const nlohmann::json ladder = nlohmann::json::parse(in);
+  // The cumulative ladder is as it was without --isolate.
+  ASSERT_EQ(ladder["rungs"].size(), 8u);
+  EXPECT_EQ(ladder["rungs"][0]["name"], "fp16 baseline");
+  EXPECT_EQ(ladder["rungs"][7]["name"], "max_seq_length halved");
+  const std::vector<std::string> tricks = {"bf16", "gradient_checkpointing", "flash", "qlora", "chunked_loss",
+                                           "micro_batch", "seq_halved"};
+  ASSERT_TRUE(ladder.contains("isolate"));
+  const nlohmann::json& alone = ladder["isolate"]["alone"];
+  const nlohmann::json& removed = ladder["isolate"]["removed"];
+  ASSERT_EQ(alone.size(), tricks.size());
+  ASSERT_EQ(removed.size(), tricks.size());
+  const uint64_t baseline = ladder["rungs"][0]["planned_peak_bytes"].get<uint64_t>();
+  const uint64_t full = ladder["rungs"][7]["planned_peak_bytes"].get<uint64_t>();
+  for (size_t i = 0; i < tricks.size(); ++i) {
+    for (const nlohmann::json* entry : {&alone[i], &removed[i]})
+      for (const char* key : {"name", "techniques", "planned", "planned_peak_bytes", "engine_peak_bytes",
+                              "device_peak_bytes", "fits_budget", "measured", "step_seconds", "tokens_per_second",
+                              "loss", "mfu", "saving_bytes"})
+        EXPECT_TRUE(entry->contains(key)) << tricks[i] << " lacks " << key;
+    EXPECT_EQ(alone[i]["added"], tricks[i]);
+    EXPECT_EQ(removed[i]["removed"], tricks[i]);
+    EXPECT_TRUE(alone[i]["measured"].get<bool>());
+    EXPECT_EQ(alone[i]["saving_bytes"].get<int64_t>(),
+              static_cast<int64_t>(baseline) - alone[i]["planned_peak_bytes"].get<int64_t>());
+    EXPECT_EQ(removed[i]["saving_bytes"].get<int64_t>(),
+              removed[i]["planned_peak_bytes"].get<int64_t>() - static_cast<int64_t>(full));
+  }
+  // bf16 alone is the ladder's "+ bf16" rung: the same configuration, measured once.
+  EXPECT_EQ(alone[0]["same_as"], "+ bf16");
+  EXPECT_EQ(alone[0]["planned_peak_bytes"], ladder["rungs"][1]["planned_peak_bytes"]);
+  EXPECT_EQ(alone[2]["techniques"][1], "flash");
+  EXPECT_EQ(alone[2]["techniques"][0], "fp16");  // alone: on the fp16 baseline
+
+  std::ifstream md_in(dir / "report.md");
+  const std::string md((std::istreambuf_iterator<char>(md_in)), std::istreambuf_iterator<char>());
+  EXPECT_NE(md.find("## Isolating each trick"), std::string::npos);
+  EXPECT_NE(md.find("Matters most alone: **"), std::string::npos);
+  EXPECT_NE(md.find("Removal that hurts most: **"), std::string::npos);
+
+  // One line per step and one per rung, each a whole JSON object.
+  const std::vector<nlohmann::json> records = read_jsonl(dir / "metrics.jsonl");
+  size_t steps = 0, rungs = 0;
+  for (const nlohmann::json& record : records) {
+    EXPECT_EQ(record["command"], "ladder");
+    if (record["event"] == "step") {
+      ++steps;
+      for (const char* key : {"rung", "step", "loss", "step_seconds", "tokens", "tokens_per_second", "lr", "grad_norm"})
+        EXPECT_TRUE(record.contains(key)) << key << " in " << record.dump();
+      EXPECT_GT(record["tokens"].get<int64_t>(), 0);
+      // "skipped" belongs to fp16 steps (the loss scaler's): the baseline has it, bf16 rungs do not.
+      if (record["rung"] == "fp16 baseline") EXPECT_TRUE(record.contains("skipped"));
+      if (record["rung"] == "+ bf16") EXPECT_FALSE(record.contains("skipped"));
+    } else {
+      EXPECT_EQ(record["event"], "rung");
+      ++rungs;
+      for (const char* key : {"rung", "section", "measured", "planned_peak_bytes", "tokens_per_second", "mfu"})
+        EXPECT_TRUE(record.contains(key)) << key << " in " << record.dump();
+    }
+  }
+  EXPECT_EQ(rungs, 8u + 14u);
+  EXPECT_GE(steps, 2u * 8u);
+  EXPECT_EQ(steps % 2, 0u);
+}
+
+TEST(CliSweep, PlanOnlyCurvesAndAMeasuredPoint) {
+  const fs::path dir = temp_dir("sweep");
+  const Result r = memtune_cli("sweep --model tiny --bf16 --vary seq --values 64,128,256 --plan-only --device cpu --out " +
+                               (dir / "plan").string());
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("eager attention bytes: 64->128: x4.00, 128->256: x4.00"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("flash attention bytes: 64->128: x2.00, 128->256: x2.00"), std::string::npos) << r.output;
+  for (const char* file : {"sweep.json", "sweep.csv", "sweep_memory.svg", "sweep_tokens_per_second.svg"})
+    EXPECT_TRUE(fs::exists(dir / "plan" / file)) << file;
+  std::ifstream in(dir / "plan" / "sweep.json");
+  const nlohmann::json sweep = nlohmann::json::parse(in);
+  EXPECT_EQ(sweep["points"].size(), 6u);
+  if (std::system("python3 -c 'import xml.dom.minidom' >/dev/null 2>&1") == 0) {
+    for (const char* file : {"sweep_memory.svg", "sweep_tokens_per_second.svg"}) {
+      const std::string command = "python3 -c 'import sys, xml.dom.minidom; xml.dom.minidom.parse(sys.argv[1])' " +
+                                  (dir / "plan" / file).string();
+      EXPECT_EQ(std::system(command.c_str()), 0) << file;
+    }
+  }
+
+  const Result measured = memtune_cli("sweep --model tiny --vary batch --values 1 --seq 16 --attn flash --steps-per-point 1 "
+                                      "--quiet --device cpu --metrics " + (dir / "m.jsonl").string() + " --out " +
+                                      (dir / "measured").string());
+  ASSERT_EQ(measured.exit_code, 0) << measured.output;
+  std::ifstream measured_in(dir / "measured" / "sweep.json");
+  const nlohmann::json point = nlohmann::json::parse(measured_in)["points"].at(0);
+  EXPECT_TRUE(point["measured"].get<bool>());
+  EXPECT_EQ(point["attn_implementation"], "flash");
+  EXPECT_GT(point["tokens_per_second"].get<double>(), 0);
+  const std::vector<nlohmann::json> records = read_jsonl(dir / "m.jsonl");
+  ASSERT_EQ(records.size(), 2u);  // the step, then the point
+  EXPECT_EQ(records[0]["event"], "step");
+  EXPECT_EQ(records[1]["event"], "point");
+}
+
+TEST(CliReport, RerendersASavedLadderWithAPeer) {
+  const fs::path dir = temp_dir("report");
+  ASSERT_EQ(memtune_cli("ladder --model tiny --seq 16 --batch 1 --accum 1 --steps-per-rung 1 --quiet --device cpu --order "
+                        "bf16,flash --out " + (dir / "ladder").string()).exit_code, 0);
+  nlohmann::json peer = {{"peer", "transformers 4.46.0, peft 0.13.2, torch 2.5.1, bitsandbytes none"},
+                         {"device", "cpu"}, {"date", "2025-01-02"}, {"config", nlohmann::json::object()},
+                         {"rungs", nlohmann::json::array()}};
+  for (const char* added : {"", "bf16", "flash"})
+    peer["rungs"].push_back({{"name", std::string("hf ") + added}, {"added", added}, {"techniques", nlohmann::json::object()},
+                             {"measured", true}, {"tokens_per_second", 1.0}, {"step_seconds", 10.0}, {"loss", 6.3},
+                             {"peak_allocated_bytes", nullptr}, {"peak_reserved_bytes", nullptr},
+                             {"device_peak_bytes", nullptr}, {"context_bytes", nullptr}});
+  std::ofstream(dir / "peer.json") << peer.dump(1);
+  const Result r = memtune_cli("report --ladder " + (dir / "ladder" / "ladder.json").string() + " --peer " +
+                               (dir / "peer.json").string() + " --out " + (dir / "out").string());
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("peer tokens/s"), std::string::npos) << r.output;
+  std::ifstream in(dir / "out" / "ladder.json");
+  const nlohmann::json ladder = nlohmann::json::parse(in);
+  EXPECT_EQ(ladder["peer"]["peer"], peer["peer"]);
+  EXPECT_EQ(ladder["rungs"][2]["peer"]["name"], "hf flash");
+  EXPECT_EQ(ladder["rungs"][2]["peer"]["beats_tokens_per_second"], true);  // 1 token/s is easy to beat
+  for (const char* file : {"report.md", "ladder.csv", "ladder.svg"}) EXPECT_TRUE(fs::exists(dir / "out" / file)) << file;
+
+  // Without --out the outputs go beside the ladder.json.
+  EXPECT_EQ(memtune_cli("report --ladder " + (dir / "out" / "ladder.json").string()).exit_code, 0);
+
+  // A bad peer file is refused with the field, and before a ladder runs.
+  peer["rungs"][1]["tokens_per_second"] = "fast";
+  std::ofstream(dir / "bad_peer.json") << peer.dump(1);
+  const Result bad = memtune_cli("report --ladder " + (dir / "ladder" / "ladder.json").string() + " --peer " +
+                                 (dir / "bad_peer.json").string());
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_NE(bad.output.find("tokens_per_second"), std::string::npos) << bad.output;
+  const Result early = memtune_cli("ladder --model tiny --device cpu --quiet --peer " + (dir / "bad_peer.json").string() +
+                                   " --out " + (dir / "never").string());
+  EXPECT_NE(early.exit_code, 0);
+  EXPECT_NE(early.output.find("expected a number"), std::string::npos) << early.output;
+  EXPECT_FALSE(fs::exists(dir / "never" / "ladder.json"));
+}
+
+TEST(CliTrain, MetricsFileGetsOneLinePerStep) {
+  const fs::path dir = temp_dir("train_metrics");
+  const Result r = memtune_cli("train --device cpu --max_steps 3 --seq 8 --quiet --metrics " + (dir / "m.jsonl").string());
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const std::vector<nlohmann::json> records = read_jsonl(dir / "m.jsonl");
+  ASSERT_EQ(records.size(), 3u);
+  for (size_t i = 0; i < records.size(); ++i) {
+    EXPECT_EQ(records[i]["event"], "step");
+    EXPECT_EQ(records[i]["command"], "train");
+    EXPECT_EQ(records[i]["step"], i + 1);
+    for (const char* key : {"loss", "step_seconds", "tokens", "tokens_per_second", "lr", "grad_norm"})
+      EXPECT_TRUE(records[i].contains(key)) << key;
+  }
+  // Progress on stderr without --quiet: plain lines into a pipe.
+  const Result loud = memtune_cli("train --device cpu --max_steps 2 --seq 8");
+  ASSERT_EQ(loud.exit_code, 0) << loud.output;
+  EXPECT_NE(loud.output.find("train step 2/2"), std::string::npos) << loud.output;
+}
+
+TEST(CliErrors, SweepAndReportOptions) {
+  const struct {
+    std::string args, expected;
+  } cases[] = {
+      {"sweep --model tiny --vary heads --values 64 --plan-only", "--vary heads: expected seq or batch"},
+      {"sweep --model tiny --vary seq --values 64,x --plan-only", "--values 64,x"},
+      {"sweep --model tiny --vary seq --values 64 --attn magic --plan-only", "--attn magic"},
+      {"sweep --model tiny --vary seq --plan-only", "--values"},
+      {"report --ladder /nonexistent/ladder.json", "/nonexistent/ladder.json"},
+      {"ladder --model tiny --order bf16,magic --quiet --device cpu", "unknown trick 'magic'"},
+  };
+  for (const auto& c : cases) {
+    const Result r = memtune_cli(c.args);
+    EXPECT_NE(r.exit_code, 0) << c.args << "\n" << r.output;
+    EXPECT_NE(r.output.find(c.expected), std::string::npos) << c.args << "\n" << r.output;
+  }
+}
+
+}  // namespace

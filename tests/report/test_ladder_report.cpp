@@ -448,3 +448,174 @@ TEST(LadderReport, RunnerOutputIsUnderstood) {
   EXPECT_CONTAINS(md, "| LoRA targets | all-linear |");
   EXPECT_CONTAINS(md, "\"fp16 baseline\": 0 skipped steps of 2");
 }
+
+namespace {
+
+// A peer.json as bench/peer_hf.py writes it, for the runner fixture's rungs: every rung but the
+// baseline (which ran out of memory) measured, 20% slower, with 10% more device memory than `memtune`.
+json peer_for(const json& ladder, double speed = 0.8, double memory = 1.1) {
+  json rungs = json::array();
+  for (const json& r : ladder["rungs"]) {
+    const bool baseline = r["added"] == "";
+    json rung = {{"name", "hf " + r["name"].get<std::string>()}, {"added", r["added"]},
+                 {"techniques", {{"bf16", true}}}, {"measured", !baseline}};
+    if (baseline) {
+      rung["error"] = "CUDA out of memory";
+      for (const char* key : {"tokens_per_second", "step_seconds", "loss", "peak_allocated_bytes", "peak_reserved_bytes",
+                              "device_peak_bytes", "context_bytes"})
+        rung[key] = nullptr;
+    } else {
+      rung["tokens_per_second"] = r["tokens_per_second"].get<double>() * speed;
+      rung["step_seconds"] = 1.5;
+      rung["loss"] = 6.25;
+      rung["peak_allocated_bytes"] = 1000000;
+      rung["peak_reserved_bytes"] = 2000000;
+      rung["device_peak_bytes"] = static_cast<uint64_t>(r["device_peak_bytes"].get<double>() * memory);
+      rung["context_bytes"] = 500000000;
+    }
+    rungs.push_back(rung);
+  }
+  rungs.push_back({{"name", "hf only"}, {"added", "liger_kernels"}, {"measured", true}, {"tokens_per_second", 1.0}});
+  return {{"peer", "transformers 4.46.0, peft 0.13.2, torch 2.5.1, bitsandbytes 0.44.1"},
+          {"device", "NVIDIA H200"}, {"date", "2025-01-02"}, {"config", {{"seq", 64}}}, {"rungs", rungs}};
+}
+
+// The runner fixture as if it had run on a GPU: device peaks and an MFU on every rung.
+json runner_on_gpu() {
+  json ladder = load_fixture("ladder_cpu_runner.json");
+  ladder["device"] = "NVIDIA H200";
+  ladder["device_peak_flops"] = 989.4e12;
+  ladder["device_peak_flops_source"] = "NVIDIA H200 datasheet";
+  for (json& r : ladder["rungs"]) {
+    r["device_peak_bytes"] = r["planned_peak_bytes"].get<uint64_t>() + 500000000;
+    r["mfu"] = 0.412;
+  }
+  return ladder;
+}
+
+}  // namespace
+
+TEST(LadderPeer, AttachedByAddedWithComparisonsInEveryOutput) {
+  const json ladder = runner_on_gpu();
+  const json with_peer = attach_peer(ladder, peer_for(ladder), "peer.json");
+  // The rungs keep their own fields; each gets the peer rung with the same "added".
+  ASSERT_EQ(with_peer["rungs"].size(), ladder["rungs"].size());
+  for (size_t i = 0; i < ladder["rungs"].size(); ++i) {
+    json rung = with_peer["rungs"][i];
+    ASSERT_TRUE(rung.contains("peer")) << i;
+    const json peer = rung["peer"];
+    rung.erase("peer");
+    EXPECT_EQ(rung, ladder["rungs"][i]);
+    EXPECT_EQ(peer["name"], "hf " + ladder["rungs"][i]["name"].get<std::string>());
+    if (i == 0) {
+      EXPECT_EQ(peer["measured"], false);
+      EXPECT_EQ(peer["error"], "CUDA out of memory");
+      EXPECT_TRUE(peer["beats_tokens_per_second"].is_null());
+      continue;
+    }
+    EXPECT_NEAR(peer["tokens_per_second_ratio"].get<double>(), 1 / 0.8, 1e-9);
+    EXPECT_NEAR(peer["device_peak_ratio"].get<double>(), 1 / 1.1, 1e-6);
+    EXPECT_EQ(peer["beats_tokens_per_second"], true);
+    EXPECT_EQ(peer["beats_device_peak"], true);
+  }
+  EXPECT_EQ(with_peer["peer"]["peer"], "transformers 4.46.0, peft 0.13.2, torch 2.5.1, bitsandbytes 0.44.1");
+  EXPECT_EQ(with_peer["peer"]["unmatched"], json({"hf only"}));
+  EXPECT_EQ(with_peer["peer"]["source"], "peer.json");
+
+  const std::string table = ladder_terminal_table(with_peer);
+  for (const char* column : {"peer tokens/s", "peer device peak", "tokens/s vs peer", "device peak vs peer", "MFU"})
+    EXPECT_CONTAINS(table, column);
+  EXPECT_CONTAINS(table, "1.25x faster");
+  EXPECT_CONTAINS(table, "0.91x smaller");
+  EXPECT_CONTAINS(table, "41.2%");
+
+  const std::string md = ladder_markdown(with_peer);
+  EXPECT_CONTAINS(md, "## Against Hugging Face (peer)");
+  EXPECT_CONTAINS(md, "transformers 4.46.0, peft 0.13.2, torch 2.5.1, bitsandbytes 0.44.1 on NVIDIA H200, 2025-01-02");
+  EXPECT_CONTAINS(md, "memtune's **device peak** with the peer's **device_peak_bytes**");
+  EXPECT_CONTAINS(md, "memtune is faster on 7 of 7 rungs");
+  EXPECT_CONTAINS(md, "less device memory on 7 of 7 rungs");
+  EXPECT_CONTAINS(md, "did not run: CUDA out of memory");
+  EXPECT_CONTAINS(md, "Peer rungs with no memtune rung of the same \"added\": hf only");
+  EXPECT_CONTAINS(md, "| 1.25x | **yes** |");
+  EXPECT_CONTAINS(md, "**MFU**");
+  EXPECT_CONTAINS(md, "989.4 TFLOP/s");
+  EXPECT_EQ(md.find("not from the same device"), std::string::npos);
+
+  const auto rows = parse_csv(ladder_csv(with_peer));
+  const auto column = [&](const std::string& name) {
+    const auto it = std::find(rows[0].begin(), rows[0].end(), name);
+    EXPECT_NE(it, rows[0].end()) << name;
+    return static_cast<size_t>(it - rows[0].begin());
+  };
+  EXPECT_EQ(rows[2][column("beats_peer_tokens_per_second")], "true");
+  EXPECT_EQ(rows[2][column("beats_peer_device_peak")], "true");
+  EXPECT_EQ(rows[1][column("beats_peer_device_peak")], "");  // the peer's baseline did not run
+  EXPECT_EQ(rows[1][column("peer_error")], "CUDA out of memory");
+  EXPECT_EQ(rows[2][column("peer_device_peak_bytes")],
+            std::to_string(with_peer["rungs"][1]["peer"]["device_peak_bytes"].get<uint64_t>()));
+  EXPECT_EQ(rows[2][column("mfu")], "0.412");
+  for (const auto& row : rows) EXPECT_EQ(row.size(), rows[0].size());
+
+  const std::string svg = ladder_svg(with_peer);
+  EXPECT_EQ(xml_well_formedness_error(svg), "");
+  EXPECT_EQ(count_of(svg, "class=\"peer-device-peak\""), ladder["rungs"].size() - 1);  // not the baseline
+  EXPECT_CONTAINS(svg, "peer device peak (transformers)");
+
+  // Slower and larger: the verdicts follow the numbers. Attaching again replaces the peer.
+  const json worse = attach_peer(with_peer, peer_for(ladder, 1.5, 0.5), "peer2.json");
+  EXPECT_EQ(worse["rungs"][3]["peer"]["beats_tokens_per_second"], false);
+  EXPECT_EQ(worse["rungs"][3]["peer"]["beats_device_peak"], false);
+  EXPECT_EQ(worse["peer"]["source"], "peer2.json");
+  EXPECT_CONTAINS(ladder_markdown(worse), "memtune is faster on 0 of 7 rungs");
+  EXPECT_CONTAINS(ladder_terminal_table(worse), "slower");
+
+  // A peer from another device is flagged.
+  json elsewhere = peer_for(ladder);
+  elsewhere["device"] = "NVIDIA A100-SXM4-80GB";
+  EXPECT_CONTAINS(ladder_markdown(attach_peer(ladder, elsewhere, "peer.json")), "not from the same device");
+
+  // On the CPU there is no device peak: tokens/s is compared, the memory verdict is left open.
+  const json cpu = load_fixture("ladder_cpu_runner.json");
+  json cpu_peer = peer_for(runner_on_gpu());
+  const std::string cpu_md = ladder_markdown(attach_peer(cpu, cpu_peer, "peer.json"));
+  EXPECT_CONTAINS(cpu_md, "less device memory on 0 of 0 rungs");
+  EXPECT_CONTAINS(cpu_md, "No device-peak comparison");
+}
+
+TEST(LadderPeer, BadPeerFilesNameTheField) {
+  const json ladder = runner_on_gpu();
+  struct Case {
+    std::function<void(json&)> damage;
+    std::vector<std::string> expected;
+  };
+  const std::vector<Case> cases = {
+      {[](json& p) { p.erase("peer"); }, {"peer.json", "missing key \"peer\""}},
+      {[](json& p) { p.erase("rungs"); }, {"peer.json", "missing key \"rungs\""}},
+      {[](json& p) { p["rungs"] = json::object(); }, {"\"rungs\"", "expected an array"}},
+      {[](json& p) { p["rungs"][2].erase("added"); }, {"rungs[2]", "missing key \"added\""}},
+      {[](json& p) { p["rungs"][2].erase("measured"); }, {"rungs[2]", "missing key \"measured\""}},
+      {[](json& p) { p["rungs"][3]["tokens_per_second"] = "fast"; }, {"rungs[3]", "tokens_per_second", "expected a number"}},
+      {[](json& p) { p["rungs"][3]["device_peak_bytes"] = -5; }, {"rungs[3]", "device_peak_bytes", ">= 0"}},
+      {[](json& p) { p["rungs"][4]["added"] = p["rungs"][3]["added"]; }, {"rungs[4]", "a second rung with \"added\""}},
+  };
+  for (const Case& c : cases) {
+    json peer = peer_for(ladder);
+    c.damage(peer);
+    for (const std::string& message : {error_of([&] { attach_peer(ladder, peer, "peer.json"); }),
+                                       error_of([&] { validate_peer_json(peer, "peer.json"); })}) {
+      ASSERT_FALSE(message.empty()) << c.expected.front();
+      for (const std::string& part : c.expected) EXPECT_CONTAINS(message, part);
+    }
+  }
+  EXPECT_CONTAINS(error_of([&] { attach_peer(ladder, json::array(), "peer.json"); }), "expected a JSON object");
+}
+
+TEST(LadderReport, MfuColumnAndNote) {
+  const json cpu = load_fixture("ladder_cpu_runner.json");
+  EXPECT_CONTAINS(ladder_terminal_table(cpu), "MFU: none");
+  EXPECT_CONTAINS(ladder_markdown(cpu), "**MFU** is not given");
+  const std::string gpu = ladder_terminal_table(runner_on_gpu());
+  EXPECT_CONTAINS(gpu, "41.2%");
+  EXPECT_CONTAINS(gpu, "989 TFLOP/s");
+}

@@ -1,5 +1,6 @@
-// memtune: plan, train, eval and the memory ladder. Bad input is reported as one line on stderr
-// with a non-zero exit; nothing already written is lost (every output is written atomically).
+// memtune: plan, train, eval, fit, the memory ladder, the sweep and the report renderer. Bad input
+// is reported as one line on stderr with a non-zero exit; nothing already written is lost (every
+// output is written atomically).
 #include <CLI/CLI.hpp>
 
 #include <chrono>
@@ -11,12 +12,15 @@
 #include "memtune/core/bytes.h"
 #include "memtune/data/jsonl_dataset.h"
 #include "memtune/io/file_util.h"
+#include "memtune/io/json_util.h"
 #include "memtune/model/llama_config.h"
 #include "memtune/ops/device.h"
 #include "memtune/plan/fit.h"
 #include "memtune/plan/plan_report.h"
 #include "memtune/report/ladder.h"
 #include "memtune/report/ladder_report.h"
+#include "memtune/report/progress.h"
+#include "memtune/report/sweep.h"
 #include "memtune/train/engine_arena.h"
 #include "memtune/train/yaml_config.h"
 
@@ -79,6 +83,10 @@ int run_cli(int argc, char** argv) {
   bool json = false, quiet = false;
   int64_t save_steps = 0, eval_steps = 0, ladder_steps = 3;
   std::string order;
+  // The ladder, sweep and report commands; --metrics is train's too.
+  std::string metrics_path, peer_path, ladder_path, vary, sweep_values, sweep_attention = "eager,flash";
+  bool isolate = false, plan_only = false;
+  int64_t sweep_steps = 2;
 
   CLI::App* plan_cmd = app.add_subcommand("plan", "print the memory plan of a run (no checkpoint, no GPU needed)");
   add_run_options(*plan_cmd, run, flags);
@@ -98,7 +106,8 @@ int run_cli(int argc, char** argv) {
   train_cmd->add_option("--device", device, "cpu | cuda | auto")->capture_default_str();
   train_cmd->add_option("--vram", vram, "budget, e.g. 24GiB");
   train_cmd->add_option("--on-bad-line", bad_line, "error | skip")->capture_default_str();
-  train_cmd->add_flag("--quiet", quiet);
+  train_cmd->add_flag("--quiet", quiet, "no per-step lines and no progress line");
+  train_cmd->add_option("--metrics", metrics_path, "append one JSON line per step to this .jsonl file");
 
   CLI::App* eval_cmd = app.add_subcommand("eval", "print the mean loss on a JSONL file as JSON");
   add_run_options(*eval_cmd, run, flags);
@@ -120,19 +129,55 @@ int run_cli(int argc, char** argv) {
   ladder_cmd->add_option("--order", order, "comma list of: bf16,gradient_checkpointing,flash,qlora,chunked_loss,micro_batch,seq_halved");
   ladder_cmd->add_option("--steps-per-rung", ladder_steps, "optimizer steps measured per rung")->capture_default_str();
   ladder_cmd->add_option("--device", device)->capture_default_str();
-  ladder_cmd->add_flag("--quiet", quiet);
+  ladder_cmd->add_flag("--quiet", quiet, "no progress line on stderr");
+  ladder_cmd->add_flag("--isolate", isolate, "also run each trick alone from the baseline, and the full stack without each");
+  ladder_cmd->add_option("--peer", peer_path, "peer.json from bench/peer_hf.py: its figures beside memtune's");
+  ladder_cmd->add_option("--metrics", metrics_path, "append one JSON line per step and per rung to this .jsonl file");
+
+  CLI::App* sweep_cmd = app.add_subcommand(
+      "sweep", "peak memory and tokens/s against max_seq_length or the micro-batch, eager against flash");
+  add_run_options(*sweep_cmd, run, flags);
+  sweep_cmd->add_option("--vary", vary, "seq | batch")->required();
+  sweep_cmd->add_option("--values", sweep_values, "comma list, e.g. 256,512,1024,2048")->required();
+  sweep_cmd->add_option("--attn", sweep_attention, "attention implementations to compare")->capture_default_str();
+  sweep_cmd->add_flag("--plan-only,--plan_only", plan_only, "plan every point, measure none");
+  sweep_cmd->add_option("--steps-per-point", sweep_steps, "optimizer steps measured per point")->capture_default_str();
+  sweep_cmd->add_option("--vram", vram, "budget, e.g. 24GiB (marks the points over it)");
+  sweep_cmd->add_option("--out", out_dir, "folder for sweep.json, sweep.csv, sweep_memory.svg, sweep_tokens_per_second.svg");
+  sweep_cmd->add_option("--device", device)->capture_default_str();
+  sweep_cmd->add_flag("--quiet", quiet, "no progress line on stderr");
+  sweep_cmd->add_option("--metrics", metrics_path, "append one JSON line per step and per point to this .jsonl file");
+
+  CLI::App* report_cmd = app.add_subcommand(
+      "report", "re-render report.md, ladder.csv, ladder.svg (and the table) from a saved ladder.json");
+  report_cmd->add_option("--ladder", ladder_path, "ladder.json written by memtune ladder")->required();
+  report_cmd->add_option("--peer", peer_path, "peer.json from bench/peer_hf.py: attached (replacing any peer already there)");
+  report_cmd->add_option("--out", out_dir, "output folder (default: the ladder.json's folder)");
 
   // A run YAML (--config FILE) sets defaults that the flags then override.
   for (int i = 1; i + 1 < argc; ++i)
     if (std::string(argv[i]) == "--config") apply_run_yaml(argv[i + 1], run);
   std::string config_path;
-  for (CLI::App* command : {plan_cmd, train_cmd, eval_cmd, ladder_cmd, fit_cmd})
+  for (CLI::App* command : {plan_cmd, train_cmd, eval_cmd, ladder_cmd, fit_cmd, sweep_cmd})
     command->add_option("--config", config_path, "run YAML in HF option names (configs/runs/)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
+
+  if (report_cmd->parsed()) {
+    nlohmann::json ladder = read_json_file(ladder_path);
+    if (!peer_path.empty()) ladder = attach_peer(ladder, read_json_file(peer_path), peer_path);
+    std::filesystem::path out = out_dir.empty() ? std::filesystem::path(ladder_path).parent_path()
+                                                : std::filesystem::path(out_dir);
+    if (out.empty()) out = ".";
+    write_ladder_outputs(ladder, out);
+    std::cout << ladder_terminal_table(ladder);
+    std::cout << "wrote " << out.string() << "\n";
+    return 0;
+  }
+
   resolve_run_flags(run, flags);
   const ModelSource source = resolve_model(run.model);
   const LlamaConfig& model = source.config;
@@ -168,6 +213,8 @@ int run_cli(int argc, char** argv) {
     options.budget_bytes = vram.empty() ? 0 : parse_bytes(vram);
     options.steps = ladder_steps;
     options.quiet = quiet;
+    options.isolate = isolate;
+    options.metrics = metrics_path;
     options.commit = git_commit();
     options.date = today();
     for (size_t start = 0; !order.empty() && start <= order.size();) {
@@ -175,11 +222,42 @@ int run_cli(int argc, char** argv) {
       options.order.push_back(order.substr(start, end - start));
       start = end + 1;
     }
-    const nlohmann::json ladder = run_ladder(options);
+    // Read and check the peer file before a run that may take an hour, not after it.
+    const nlohmann::json peer = peer_path.empty() ? nlohmann::json() : read_json_file(peer_path);
+    if (!peer_path.empty()) validate_peer_json(peer, peer_path);
+    nlohmann::json ladder = run_ladder(options);
+    if (!peer_path.empty()) ladder = attach_peer(ladder, peer, peer_path);
     if (out_dir.empty()) out_dir = "ladder-out";
     std::filesystem::create_directories(out_dir);
     write_ladder_outputs(ladder, out_dir);
     std::cout << ladder_terminal_table(ladder);
+    std::cout << "wrote " << out_dir << "\n";
+    return 0;
+  }
+
+  if (sweep_cmd->parsed()) {
+    SweepOptions options;
+    options.base = run;
+    options.vary = vary;
+    options.values = parse_sweep_values(sweep_values, "--values");
+    options.attention.clear();
+    for (size_t start = 0; start <= sweep_attention.size();) {
+      const size_t end = std::min(sweep_attention.find(',', start), sweep_attention.size());
+      options.attention.push_back(sweep_attention.substr(start, end - start));
+      start = end + 1;
+    }
+    options.plan_only = plan_only;
+    options.steps = sweep_steps;
+    options.device = device;
+    options.budget_bytes = vram.empty() ? 0 : parse_bytes(vram);
+    options.quiet = quiet;
+    options.metrics = metrics_path;
+    options.commit = git_commit();
+    options.date = today();
+    const nlohmann::json sweep = run_sweep(options);
+    if (out_dir.empty()) out_dir = "sweep-out";
+    write_sweep_outputs(sweep, out_dir);
+    std::cout << sweep_terminal_table(sweep);
     std::cout << "wrote " << out_dir << "\n";
     return 0;
   }
@@ -239,7 +317,11 @@ int run_cli(int argc, char** argv) {
     }
     return count > 0 ? sum / count : 0.0;
   };
-  for (int64_t step = engine->steps_done(); step < run.max_steps; ++step) {
+  ProgressLine progress(stderr, !quiet);
+  MetricsLog metrics(metrics_path);
+  const int64_t first_step = engine->steps_done();
+  progress.start(static_cast<double>(run.max_steps - first_step));
+  for (int64_t step = first_step; step < run.max_steps; ++step) {
     const auto start = std::chrono::steady_clock::now();
     const StepReport report = engine->train_step(step_batches(data, run, step));
     backend->synchronize();
@@ -252,10 +334,22 @@ int run_cli(int argc, char** argv) {
                            {"engine_peak_bytes", engine->memory().allocator().high_water()},
                            {"skipped", report.skipped}};
     if (!eval_data.samples.empty() && eval_steps > 0 && (step + 1) % eval_steps == 0) line["eval_loss"] = evaluate();
+    nlohmann::json record = {{"event", "step"}, {"command", "train"}, {"step", step + 1}, {"steps", run.max_steps},
+                              {"loss", line["loss"]}, {"step_seconds", seconds}, {"tokens", report.tokens},
+                              {"tokens_per_second", line["tokens_per_second"]}, {"lr", report.learning_rate},
+                              {"grad_norm", std::isfinite(report.grad_norm) ? nlohmann::json(report.grad_norm) : nlohmann::json()}};
+    if (run.precision == Precision::fp16) record["skipped"] = report.skipped;
+    if (line.contains("eval_loss")) record["eval_loss"] = line["eval_loss"];
+    metrics.write(std::move(record));
+    progress.clear();  // the step's line goes to stdout; the progress line is redrawn below it
     if (!quiet) std::cout << line.dump() << std::endl;
+    progress.set_work_done(static_cast<double>(step + 1 - first_step));
+    progress.update(fmt::format("train step {}/{}  loss {:.4f}  {:.2f} s/step", step + 1, run.max_steps, report.loss,
+                                seconds));
     if (!out_dir.empty() && save_steps > 0 && (step + 1) % save_steps == 0)
       engine->save_checkpoint(out / "checkpoint", base_name);
   }
+  progress.clear();
   if (!out_dir.empty()) {
     engine->save_adapter(out / "adapter", base_name);
     engine->save_checkpoint(out / "checkpoint", base_name);

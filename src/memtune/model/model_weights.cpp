@@ -1,5 +1,7 @@
 #include "memtune/model/model_weights.h"
 
+#include <algorithm>
+
 #include "memtune/ops/backend.h"
 #include "memtune/quant/nf4.h"
 
@@ -26,6 +28,31 @@ Quantized4bit allocate_quantized(Memory& memory, const std::string& key, Shape s
   }
   return q;
 }
+
+// A temporary device buffer outside the planned arena, for the dense weight that quantize_4bit
+// reads. It lives only while weights are initialised or loaded, before training starts, and is
+// freed on every path out (quantize_4bit throws for NaN / Inf weights).
+class ScratchArena {
+ public:
+  ScratchArena(Backend& backend, uint64_t bytes)
+      : backend_(backend), base_(bytes > 0 ? backend.allocate_arena(bytes) : nullptr), bytes_(bytes) {}
+  ~ScratchArena() {
+    if (base_ != nullptr) backend_.free_arena(base_);
+  }
+  ScratchArena(const ScratchArena&) = delete;
+  ScratchArena& operator=(const ScratchArena&) = delete;
+
+  Tensor tensor(DType dtype, Shape shape) const {
+    Tensor t{base_, dtype, shape, backend_.device()};
+    MT_ASSERT(t.nbytes() <= bytes_, "scratch of {} bytes for {} {}", bytes_, dtype_name(dtype), shape.str());
+    return t;
+  }
+
+ private:
+  Backend& backend_;
+  void* base_;
+  uint64_t bytes_;
+};
 
 }  // namespace
 
@@ -70,37 +97,41 @@ bool ModelWeights::is_quantized(size_t index) const {
 void ModelWeights::upload(Backend& backend, size_t index, const void* host, DType host_dtype) {
   const ParamSpec& spec = table[index];
   if (is_quantized(index)) {
+    // Quantized on the backend's device: the dense weight goes to a scratch there first (its
+    // own dtype: the codes do not depend on where it is quantized, and a bf16 checkpoint needs
+    // half the bytes of f32). On the CPU backend this is the host reference itself.
     Quantized4bit& q = layers[spec.layer].quantized[static_cast<int>(spec.projection)];
-    const QuantizedWeight quantized = quantize_4bit(host, host_dtype, spec.shape, q.config, spec.hf_key);
-    backend.copy_from_host(q.packed, quantized.packed.data());
-    backend.copy_from_host(q.code_map, quantized.quant_map.data());
-    if (q.config.double_quant) {
-      backend.copy_from_host(q.absmax, quantized.absmax_codes.data());
-      backend.copy_from_host(q.nested_absmax, quantized.nested_absmax.data());
-      backend.copy_from_host(q.nested_map, quantized.nested_quant_map.data());
-      q.nested_offset = quantized.nested_offset;  // a scalar: kept on the host
-    } else {
-      backend.copy_from_host(q.absmax, quantized.absmax.data());
-    }
+    ScratchArena scratch(backend, static_cast<uint64_t>(spec.shape.numel()) * dtype_size(host_dtype));
+    const Tensor dense = scratch.tensor(host_dtype, spec.shape);
+    backend.copy_from_host(dense, host);
+    backend.quantize_4bit(q, dense, spec.hf_key);
     return;
   }
   copy_from_host_converted(backend, tensors[index], host, host_dtype);
 }
 
 void ModelWeights::init_random(Backend& backend, const LlamaConfig& config, uint64_t seed) {
+  const float std_dev = static_cast<float>(config.initializer_range);
+  // 4-bit projections are drawn on the device into one f32 scratch (the largest projection's
+  // size, freed on return) and quantized there: the same f32 values a dense run draws
+  // (fill_random's counter-based values), so the codes do not depend on the backend beyond
+  // fill_random's own (last-bit) agreement.
+  int64_t largest_quantized = 0;
+  for (size_t i = 0; i < table.size(); ++i)
+    if (is_quantized(i)) largest_quantized = std::max(largest_quantized, table[i].shape.numel());
+  ScratchArena scratch(backend, static_cast<uint64_t>(largest_quantized) * sizeof(float));
   for (size_t i = 0; i < table.size(); ++i) {
+    const uint64_t tensor_seed = seed * 1000003 + i;
     if (is_quantized(i)) {
-      // Quantized on the host from the same values a dense run draws.
-      std::vector<float> host(table[i].shape.numel());
-      for (size_t e = 0; e < host.size(); ++e)
-        host[e] = random_value(Backend::Distribution::normal, 0.0f,
-                               static_cast<float>(config.initializer_range), seed * 1000003 + i, e);
-      upload(backend, i, host.data(), DType::f32);
+      const ParamSpec& spec = table[i];
+      const Tensor dense = scratch.tensor(DType::f32, spec.shape);
+      backend.fill_random(dense, Backend::Distribution::normal, 0.0f, std_dev, tensor_seed);
+      backend.quantize_4bit(layers[spec.layer].quantized[static_cast<int>(spec.projection)], dense,
+                            spec.hf_key);
     } else if (table[i].kind == ParamKind::norm) {
       backend.fill(tensors[i], 1.0f);
     } else {
-      backend.fill_random(tensors[i], Backend::Distribution::normal, 0.0f,
-                          static_cast<float>(config.initializer_range), seed * 1000003 + i);
+      backend.fill_random(tensors[i], Backend::Distribution::normal, 0.0f, std_dev, tensor_seed);
     }
   }
 }

@@ -30,9 +30,15 @@ struct ModelWeights {
   static ModelWeights allocate(Memory& memory, const LlamaConfig& config, DType storage,
                                const QuantConfig* quant = nullptr);
   // Seeded random init as transformers does it: normal(0, initializer_range) for matrices,
-  // ones for norms. Memory and speed do not depend on the values.
+  // ones for norms. Memory and speed do not depend on the values. Tensor i draws
+  // fill_random(seed * 1000003 + i); a 4-bit projection draws those f32 values into a temporary
+  // device scratch (the largest projection's size in f32, outside the arena, freed on return)
+  // and is quantized there by backend.quantize_4bit.
   void init_random(Backend& backend, const LlamaConfig& config, uint64_t seed);
-  // Stores table[index] from host data (f32/f16/bf16), converting or quantizing it.
+  // Stores table[index] from host data (f32/f16/bf16), converting or quantizing it. A 4-bit
+  // projection is copied to a temporary device scratch in host_dtype and quantized there by
+  // backend.quantize_4bit (the host reference on the CPU backend); NaN / Inf throws
+  // memtune::Error naming the tensor.
   void upload(Backend& backend, size_t index, const void* host, DType host_dtype);
   bool is_quantized(size_t index) const;
   int64_t parameter_count() const { return count_parameters(table); }

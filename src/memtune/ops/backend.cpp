@@ -53,6 +53,52 @@ void Backend::dequantize_4bit(const Tensor& out, const Quantized4bit& q) {
   copy_from_host(out, dense.data());
 }
 
+// ---- QLoRA: quantize on the device (quant4bit) ----
+
+void check_quantized4bit_layout(const Quantized4bit& q, std::string_view what) {
+  validate_quant_config(q.config);
+  const int64_t n = q.shape.numel();
+  MT_ASSERT(n > 0, "{}: empty quantized shape {}", what, q.shape.str());
+  const int64_t blocks = (n + q.config.blocksize - 1) / q.config.blocksize;
+  const auto check = [&](const Tensor& t, DType dtype, int64_t count, const char* field) {
+    MT_ASSERT(t.dtype == dtype && t.numel() == count && (t.data != nullptr || t.device == Device::meta),
+              "{}: {} is {} {}, expected {} [{}]", what, field, dtype_name(t.dtype), t.shape.str(),
+              dtype_name(dtype), count);
+  };
+  check(q.packed, DType::u8, (n + 1) / 2, "packed");
+  check(q.code_map, DType::f32, 16, "code_map");
+  if (q.config.double_quant) {
+    check(q.absmax, DType::u8, blocks, "absmax codes");
+    check(q.nested_absmax, DType::f32,
+          (blocks + q.config.nested_blocksize - 1) / q.config.nested_blocksize, "nested_absmax");
+    check(q.nested_map, DType::f32, 256, "nested_map");
+  } else {
+    check(q.absmax, DType::f32, blocks, "absmax");
+  }
+}
+
+void Backend::quantize_4bit(Quantized4bit& q, const Tensor& dense, std::string_view name) {
+  if (device() == Device::meta) return;
+  check_quantized4bit_layout(q, name);
+  MT_ASSERT(dense.numel() == q.shape.numel(), "quantize '{}': dense {} for shape {}", name,
+            dense.shape.str(), q.shape.str());
+  std::vector<uint8_t> host(dense.nbytes());
+  copy_to_host(host.data(), dense);
+  const QuantizedWeight quantized = memtune::quantize_4bit(host.data(), dense.dtype, q.shape, q.config, name);
+  copy_from_host(q.packed, quantized.packed.data());
+  copy_from_host(q.code_map, quantized.quant_map.data());
+  if (q.config.double_quant) {
+    copy_from_host(q.absmax, quantized.absmax_codes.data());
+    copy_from_host(q.nested_absmax, quantized.nested_absmax.data());
+    copy_from_host(q.nested_map, quantized.nested_quant_map.data());
+  } else {
+    copy_from_host(q.absmax, quantized.absmax.data());
+  }
+  q.nested_offset = quantized.nested_offset;  // 0 without double quant
+}
+
+// ---- end QLoRA: quantize on the device ----
+
 void copy_from_host_converted(Backend& backend, const Tensor& dst, const void* host, DType host_dtype) {
   if (host_dtype == dst.dtype) {
     backend.copy_from_host(dst, host);  // bytewise: alignment does not matter

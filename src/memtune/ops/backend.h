@@ -17,6 +17,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string_view>
 
 #include "memtune/core/tensor.h"
 #include "memtune/quant/nf4.h"
@@ -61,6 +62,13 @@ class Backend {
   virtual void copy_from_host(const Tensor& dst, const void* host_src) = 0;  // same dtype/bytes
   virtual void copy_to_host(void* host_dst, const Tensor& src) = 0;
   virtual void synchronize() {}
+  // Device scratch that the backend's ops need beside their tensor arguments (a GEMM library's
+  // workspace, reduction partials). The engine plans one buffer of this many bytes
+  // (MemCategory::workspace) and binds it before running anything, so that nothing outside the
+  // plan is allocated; binding an empty tensor unbinds it. Standalone use without a binding
+  // falls back to scratch that the backend allocates itself on first use.
+  virtual uint64_t workspace_bytes() const { return 0; }
+  virtual void bind_workspace(const Tensor& workspace) {}
 
   // ---- elementwise ----------------------------------------------------------------------
   virtual void fill(const Tensor& dst, float value) = 0;
@@ -163,6 +171,16 @@ class Backend {
   // The default copies to the host and uses the reference (quant/nf4.h); device backends may
   // override it with a kernel.
   virtual void dequantize_4bit(const Tensor& out, const Quantized4bit& q);
+  // ---- QLoRA: quantize on the device (quant4bit) ----
+  // Quantizes `dense` (f32/f16/bf16, numel of q.shape, on this backend's device) into q's
+  // tensors as allocated by ModelWeights (packed, absmax or absmax codes + nested_absmax,
+  // code_map = bnb_quant_map, nested_map = the signed dynamic map) and sets q.nested_offset
+  // (0 without double quant). Every output is bit-identical to quantize_4bit() of quant/nf4.h.
+  // A NaN / Inf element throws memtune::Error naming `name` (the message of the reference);
+  // q's tensors are then unspecified. The default copies `dense` to the host, runs the
+  // reference and copies the results back; the meta backend does nothing.
+  virtual void quantize_4bit(Quantized4bit& q, const Tensor& dense, std::string_view name);
+  // ---- end QLoRA: quantize on the device ----
 
   // ---- initialisation -----------------------------------------------------------------------
   // Seeded random fill from a counter-based hash of (seed, element index), so that every
@@ -176,12 +194,19 @@ class Backend {
   float read_scalar(const Tensor& scalar);
 };
 
+// ---- QLoRA: quantize on the device (quant4bit) ----
+// Checks that q's tensors have the dtypes and sizes that q.config and q.shape ask for (an
+// inconsistent Quantized4bit is an internal error: MT_ASSERT naming `what`).
+void check_quantized4bit_layout(const Quantized4bit& q, std::string_view what);
+// ---- end QLoRA: quantize on the device ----
+
 // copy_from_host with a dtype conversion on the host (f32/f16/bf16 -> dst.dtype). `host` need
 // not be aligned for its dtype (safetensors data is not).
 void copy_from_host_converted(Backend& backend, const Tensor& dst, const void* host, DType host_dtype);
 
 std::unique_ptr<Backend> make_cpu_backend();
-std::unique_ptr<Backend> make_meta_backend();
+// The meta backend plans for a target device: it reports that device's workspace_bytes().
+std::unique_ptr<Backend> make_meta_backend(uint64_t target_workspace_bytes = 0);
 #ifdef MEMTUNE_WITH_CUDA
 std::unique_ptr<Backend> make_cuda_backend();
 #endif

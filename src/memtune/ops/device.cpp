@@ -8,6 +8,10 @@
 
 namespace memtune {
 
+uint64_t backend_workspace_bytes(Device target) {
+  return target == Device::cuda ? kCudaGemmWorkspaceBytes + kCudaReductionScratchBytes : 0;
+}
+
 bool cuda_device_present() {
 #ifdef MEMTUNE_WITH_CUDA
   int count = 0;
@@ -19,6 +23,13 @@ bool cuda_device_present() {
 #else
   return false;
 #endif
+}
+
+Device resolve_device(const std::string& device) {
+  MT_USER_CHECK(device == "cpu" || device == "cuda" || device == "auto",
+                "--device {}: expected cpu, cuda or auto", device);
+  if (device == "cpu" || !cuda_device_present()) return Device::cpu;
+  return Device::cuda;
 }
 
 std::unique_ptr<Backend> make_backend(const std::string& device) {

@@ -8,6 +8,8 @@ namespace {
 
 class MetaBackend final : public Backend {
  public:
+  explicit MetaBackend(uint64_t target_workspace_bytes) : target_workspace_bytes_(target_workspace_bytes) {}
+  uint64_t workspace_bytes() const override { return target_workspace_bytes_; }
   Device device() const override { return Device::meta; }
   std::string name() const override { return "meta"; }
   void* allocate_arena(uint64_t) override { return nullptr; }
@@ -47,10 +49,17 @@ class MetaBackend final : public Backend {
   void adamw_step(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                   const AdamWParams&) override {}
   void scale(const Tensor&, float) override {}
+  // QLoRA: the planner never needs the codes, only the tensors' sizes.
+  void quantize_4bit(Quantized4bit&, const Tensor&, std::string_view) override {}
+
+ private:
+  uint64_t target_workspace_bytes_;
 };
 
 }  // namespace
 
-std::unique_ptr<Backend> make_meta_backend() { return std::make_unique<MetaBackend>(); }
+std::unique_ptr<Backend> make_meta_backend(uint64_t target_workspace_bytes) {
+  return std::make_unique<MetaBackend>(target_workspace_bytes);
+}
 
 }  // namespace memtune

@@ -1,120 +1,84 @@
 #include "memtune/report/ladder.h"
 
-#include <chrono>
-#include <cstdio>
+#include <fmt/format.h>
+
 #include <functional>
+#include <map>
+#include <optional>
 
 #include "memtune/core/bytes.h"
 #include "memtune/core/error.h"
-#include "memtune/data/jsonl_dataset.h"
 #include "memtune/model/llama_config.h"
-#include "memtune/ops/device.h"
 #include "memtune/plan/plan_report.h"
-#include "memtune/train/engine_arena.h"
+#include "memtune/report/measure.h"
+#include "memtune/report/progress.h"
 
 namespace memtune {
 namespace {
 
 struct Trick {
-  std::string name;   // as --order takes it
-  std::string label;  // as the report shows it
+  std::string name;   // as --order takes it, and the rung's "added"
+  std::string label;  // the cumulative rung's name
+  std::string plain;  // the trick on its own, for the isolate lists
   std::function<void(RunConfig&)> apply;
 };
 
 const std::vector<Trick>& tricks() {
   static const std::vector<Trick> all = {
-      {"bf16", "+ bf16", [](RunConfig& r) { r.precision = Precision::bf16; }},
-      {"gradient_checkpointing", "+ gradient checkpointing", [](RunConfig& r) { r.gradient_checkpointing = true; }},
-      {"flash", "+ flash attention", [](RunConfig& r) { r.attn_implementation = "flash"; }},
-      {"qlora", "+ QLoRA (nf4, double quant)", [](RunConfig& r) {
+      {"bf16", "+ bf16", "bf16", [](RunConfig& r) { r.precision = Precision::bf16; }},
+      {"gradient_checkpointing", "+ gradient checkpointing", "gradient checkpointing",
+       [](RunConfig& r) { r.gradient_checkpointing = true; }},
+      {"flash", "+ flash attention", "flash attention", [](RunConfig& r) { r.attn_implementation = "flash"; }},
+      {"qlora", "+ QLoRA (nf4, double quant)", "QLoRA (nf4, double quant)", [](RunConfig& r) {
          r.load_in_4bit = true;
          r.quant = QuantConfig{};  // nf4, blocksize 64, double quant
          if (r.precision == Precision::fp32) r.precision = Precision::bf16;
        }},
-      {"chunked_loss", "+ chunked loss", [](RunConfig& r) { r.loss_implementation = "chunked"; }},
-      {"micro_batch", "micro-batch 1 x more accumulation", [](RunConfig& r) {
+      {"chunked_loss", "+ chunked loss", "chunked loss", [](RunConfig& r) { r.loss_implementation = "chunked"; }},
+      {"micro_batch", "micro-batch 1 x more accumulation", "micro-batch 1 x more accumulation", [](RunConfig& r) {
          r.gradient_accumulation_steps *= r.per_device_train_batch_size;
          r.per_device_train_batch_size = 1;
        }},
-      {"seq_halved", "max_seq_length halved", [](RunConfig& r) { r.max_seq_length = std::max<int64_t>(2, r.max_seq_length / 2); }},
+      {"seq_halved", "max_seq_length halved", "max_seq_length halved",
+       [](RunConfig& r) { r.max_seq_length = std::max<int64_t>(2, r.max_seq_length / 2); }},
   };
   return all;
 }
 
-std::vector<std::string> techniques_of(const RunConfig& r) {
-  return {std::string(precision_name(r.precision)) + (r.load_in_4bit ? "+nf4-base" : ""), r.attn_implementation,
-          r.gradient_checkpointing ? "checkpointing" : "no-checkpointing",
-          r.loss_implementation + "-loss",
-          fmt::format("batch {} x accumulation {}", r.per_device_train_batch_size, r.gradient_accumulation_steps),
-          fmt::format("seq {}", r.max_seq_length)};
+const Trick& trick_named(const std::string& name) {
+  for (const Trick& t : tricks())
+    if (t.name == name) return t;
+  mt_fail("--order: unknown trick '{}' (known: {})", name, fmt::join(ladder_trick_names(), ", "));
 }
 
-nlohmann::json measure_rung(const LadderOptions& options, const RunConfig& run, const LlamaConfig& model,
-                            const std::string& name, const std::string& added, uint64_t context_bytes,
-                            uint64_t device_capacity) {
-  const Plan plan = plan_run(run, model);
-  nlohmann::json planned = nlohmann::json::object();
-  for (int c = 0; c < kNumMemCategories; ++c) planned[std::string(category_name(category_at(c)))] = plan.at_peak[c];
-  const uint64_t with_context = plan.arena_bytes + context_bytes;
-  nlohmann::json rung = {{"name", name}, {"added", added}, {"techniques", techniques_of(run)},
-                         {"planned", planned}, {"planned_peak_bytes", plan.arena_bytes},
-                         {"planned_with_context_bytes", with_context},
-                         {"fits_budget", options.budget_bytes == 0 || with_context <= options.budget_bytes},
-                         {"fits_device", with_context <= device_capacity},
-                         {"micro_batch", run.per_device_train_batch_size},
-                         {"grad_accum", run.gradient_accumulation_steps}, {"seq", run.max_seq_length},
-                         {"measured", false}, {"engine_peak_bytes", nullptr}, {"device_peak_bytes", nullptr},
-                         {"step_seconds", nullptr}, {"tokens_per_second", nullptr}, {"loss", nullptr}};
-  if (!rung["fits_device"].get<bool>()) return rung;
+// Two runs with this key train the same thing: the ladder measures them once.
+std::string configuration_key(const RunConfig& run, const LlamaConfig& model) {
+  nlohmann::json key = run_config_json(run, model);
+  key["techniques"] = techniques_of(run);
+  key["load_in_4bit"] = run.load_in_4bit;
+  key["quant"] = {static_cast<int>(run.quant.type), run.quant.blocksize, run.quant.double_quant};
+  return key.dump();
+}
 
-  std::unique_ptr<Backend> backend = make_backend(options.device);
-  const uint64_t in_use_before = device_memory_in_use(*backend);
-  PlannedEngine engine(*backend, run, model);
-  engine->init_random_weights(run.seed);
-  engine->init_adapters(run.seed + 1);
-  const int64_t per_step = run.per_device_train_batch_size * run.gradient_accumulation_steps;
-  const Dataset data = synthetic_dataset(per_step * options.steps, run.max_seq_length, model.vocab_size, run.seed);
-  double timed_seconds = 0;
-  int64_t timed_tokens = 0;
-  double loss = 0;
-  for (int64_t s = 0; s < options.steps; ++s) {
-    std::vector<HostMicroBatch> batches;
-    for (int64_t m = 0; m < run.gradient_accumulation_steps; ++m) {
-      std::vector<std::vector<int32_t>> ids;
-      for (int64_t b = 0; b < run.per_device_train_batch_size; ++b)
-        ids.push_back(data.samples[(s * per_step + m * run.per_device_train_batch_size + b)].input_ids);
-      batches.push_back(make_micro_batch(ids, ids, run.max_seq_length));
-    }
-    const auto start = std::chrono::steady_clock::now();
-    const StepReport report = engine->train_step(batches);
-    backend->synchronize();
-    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    // The first step carries one-time costs (page faults, library warm-up): time the rest.
-    if (s > 0 || options.steps == 1) {
-      timed_seconds += seconds;
-      timed_tokens += report.tokens;
-    }
-    loss = report.loss;
-    if (!options.quiet)
-      std::fprintf(stderr, "\r  %-36s step %lld/%lld  loss %.4f  %.2f s/step", name.c_str(),
-                   static_cast<long long>(s + 1), static_cast<long long>(options.steps), report.loss, seconds);
-  }
-  if (!options.quiet) std::fprintf(stderr, "\n");
-  const int64_t timed_steps = options.steps > 1 ? options.steps - 1 : 1;
-  rung["measured"] = true;
-  rung["engine_peak_bytes"] = engine->memory().allocator().high_water();
-  // Nothing is allocated inside the step, so memory in use now is the run's peak. Earlier
-  // rungs' memory is freed; the context (and library handles) is counted, as nvidia-smi does.
-  if (backend->device() != Device::cpu) {
-    rung["device_peak_bytes"] = device_memory_in_use(*backend);
-    rung["device_in_use_before_bytes"] = in_use_before;
-  }
-  rung["step_seconds"] = timed_seconds / timed_steps;
-  rung["tokens_per_second"] = timed_tokens / timed_seconds;
-  rung["loss"] = loss;
-  if (run.precision == Precision::fp16)
-    rung["loss_scaler"] = {{"skipped_steps", engine->scaler().skipped_steps}, {"final_scale", engine->scaler().scale}};
-  return rung;
+// One configuration the ladder runs: a cumulative rung or an isolate entry.
+struct LadderEntry {
+  RunConfig run;
+  nlohmann::json rung;
+  std::string section;              // "rungs", "alone" or "removed"
+  std::optional<size_t> same_as;    // an earlier entry with the same configuration
+};
+
+void copy_measurement(const nlohmann::json& from, nlohmann::json& to) {
+  for (const char* key : {"measured", "engine_peak_bytes", "device_peak_bytes", "device_in_use_before_bytes",
+                          "step_seconds", "tokens_per_second", "loss", "loss_scaler", "mfu"})
+    if (from.contains(key)) to[key] = from[key];
+  to["same_as"] = from["name"];
+}
+
+std::string section_label(const LadderEntry& entry) {
+  if (entry.section == "alone") return "alone: " + entry.rung["name"].get<std::string>();
+  if (entry.section == "removed") return "without: " + entry.rung["name"].get<std::string>();
+  return entry.rung["name"].get<std::string>();
 }
 
 }  // namespace
@@ -130,46 +94,125 @@ const std::vector<std::string>& ladder_trick_names() {
 
 nlohmann::json run_ladder(const LadderOptions& options) {
   const ModelSource source = resolve_model(options.base.model);
-  std::unique_ptr<Backend> probe = make_backend(options.device);
-  const bool on_cpu = probe->device() == Device::cpu;
-  const std::string device = on_cpu ? "cpu (no GPU: embedded model on the CPU backend)" : device_description(*probe);
-  // The CUDA context and library handles, measured before any arena exists.
-  const uint64_t context_bytes = device_memory_in_use(*probe);
-  // The CPU rungs are bounded by host memory; keep them well inside the CI machine's. On a GPU
-  // leave 2% of the card for the allocator's own rounding.
-  const uint64_t device_capacity = on_cpu ? 8 * kGiB : device_memory_total(*probe) / 50 * 49;
-  probe.reset();
+  const LlamaConfig& model = source.config;
+  const DeviceInfo device = probe_device(options.device);
 
-  std::vector<std::string> order = options.order.empty() ? ladder_trick_names() : options.order;
+  const std::vector<std::string> order = options.order.empty() ? ladder_trick_names() : options.order;
+  for (const std::string& name : order) trick_named(name);
+
+  RunConfig base = options.base;
+  base.precision = Precision::fp16;  // the seed's baseline: fp16, eager, no checkpointing, full loss
+  base.attn_implementation = "eager";
+  base.gradient_checkpointing = false;
+  base.loss_implementation = "full";
+  base.validate();
+
+  // Every configuration first, planned: the plans say which will run, and so how long it takes.
+  std::vector<LadderEntry> entries;
+  std::map<std::string, size_t> by_configuration;
+  const auto add = [&](const RunConfig& run, const std::string& name, const std::string& added,
+                       const std::string& section) {
+    run.validate();
+    LadderEntry entry{run, plan_rung(run, model, device, options.budget_bytes, name, added), section, std::nullopt};
+    const auto [it, inserted] = by_configuration.emplace(configuration_key(run, model), entries.size());
+    if (!inserted) entry.same_as = it->second;
+    entries.push_back(std::move(entry));
+    return &entries.back().rung;
+  };
+  add(base, "fp16 baseline", "", "rungs");
+  RunConfig stacked = base;
   for (const std::string& name : order) {
-    bool known = false;
-    for (const Trick& t : tricks()) known |= t.name == name;
-    MT_USER_CHECK(known, "--order: unknown trick '{}'", name);
+    const Trick& t = trick_named(name);
+    t.apply(stacked);
+    add(stacked, t.label, t.name, "rungs");
+  }
+  const size_t cumulative_count = entries.size();
+  if (options.isolate) {
+    for (const std::string& name : order) {
+      const Trick& t = trick_named(name);
+      RunConfig alone = base;
+      t.apply(alone);
+      add(alone, t.plain, t.name, "alone");
+    }
+    for (const std::string& name : order) {
+      const Trick& t = trick_named(name);
+      RunConfig without = base;
+      for (const std::string& other : order)
+        if (other != name) trick_named(other).apply(without);
+      // A removed entry adds nothing to the baseline's list: "removed" says what it lacks.
+      nlohmann::json* rung = add(without, t.plain, "", "removed");
+      rung->erase("added");
+      (*rung)["removed"] = t.name;
+    }
   }
 
-  RunConfig run = options.base;
-  run.precision = Precision::fp16;  // the seed's baseline: fp16, eager, no checkpointing, full loss
-  run.attn_implementation = "eager";
-  run.gradient_checkpointing = false;
-  run.loss_implementation = "full";
-  run.validate();
+  ProgressLine progress(stderr, !options.quiet);
+  MetricsLog metrics(options.metrics);
+  double total_work = 0;
+  for (const LadderEntry& e : entries)
+    if (!e.same_as && e.rung["fits_device"].get<bool>())
+      total_work += tokens_per_step(e.run) * static_cast<double>(options.steps);
+  progress.start(total_work);
+  double work_done = 0;
+  for (size_t i = 0; i < entries.size(); ++i) {
+    LadderEntry& e = entries[i];
+    const std::string label = fmt::format("[{}/{}] {}", i + 1, entries.size(), section_label(e));
+    if (e.same_as) {
+      copy_measurement(entries[*e.same_as].rung, e.rung);
+      progress.note(fmt::format("{}: the same configuration as \"{}\", measured once", label,
+                                entries[*e.same_as].rung["name"].get<std::string>()));
+    } else if (e.rung["fits_device"].get<bool>()) {
+      MeasureHooks hooks{&progress, &metrics, label,
+                         {{"command", "ladder"}, {"section", e.section}, {"index", i},
+                          {"rung", e.rung["name"]}},
+                         work_done};
+      measure_rung(e.rung, e.run, model, device, options.steps, hooks);
+      work_done += tokens_per_step(e.run) * static_cast<double>(options.steps);
+      progress.set_work_done(work_done);
+    } else {
+      progress.note(fmt::format("{}: plan only ({} with context; the device takes {})", label,
+                                format_bytes(e.rung["planned_with_context_bytes"].get<uint64_t>()),
+                                format_bytes(device.capacity_bytes)));
+    }
+    nlohmann::json summary = {{"event", "rung"}, {"command", "ladder"}, {"section", e.section}, {"index", i}};
+    for (const char* key : {"name", "added", "removed", "same_as", "measured", "fits_device", "fits_budget",
+                            "planned_peak_bytes", "engine_peak_bytes", "device_peak_bytes", "step_seconds",
+                            "tokens_per_second", "loss", "mfu", "micro_batch", "grad_accum", "seq"})
+      if (e.rung.contains(key)) summary[key == std::string("name") ? "rung" : key] = e.rung[key];
+    metrics.write(std::move(summary));
+  }
+  progress.note(fmt::format("ladder: {} configurations, {} measured", entries.size(),
+                            std::count_if(entries.begin(), entries.end(),
+                                          [](const LadderEntry& e) { return e.rung["measured"].get<bool>(); })));
 
   nlohmann::json ladder = {
-      {"config", run_config_json(run, source.config)},
-      {"device", device}, {"device_context_bytes", context_bytes},
+      {"config", run_config_json(base, model)},
+      {"device", device.description}, {"device_context_bytes", device.context_bytes},
       {"commit", options.commit}, {"date", options.date}, {"budget_bytes", options.budget_bytes}};
   ladder["config"]["steps_per_rung"] = options.steps;
   ladder["config"]["order"] = order;
+  ladder.update(mfu_context_json(device));
   nlohmann::json rungs = nlohmann::json::array();
-  rungs.push_back(measure_rung(options, run, source.config, "fp16 baseline", "", context_bytes, device_capacity));
-  for (const std::string& name : order) {
-    for (const Trick& t : tricks()) {
-      if (t.name != name) continue;
-      t.apply(run);
-      rungs.push_back(measure_rung(options, run, source.config, t.label, t.name, context_bytes, device_capacity));
-    }
-  }
+  for (size_t i = 0; i < cumulative_count; ++i) rungs.push_back(entries[i].rung);
   ladder["rungs"] = rungs;
+  if (options.isolate) {
+    // saving_bytes: larger means the trick matters more (see report/ladder_report.h).
+    const int64_t baseline_peak = entries.front().rung["planned_peak_bytes"].get<int64_t>();
+    const int64_t full_peak = entries[cumulative_count - 1].rung["planned_peak_bytes"].get<int64_t>();
+    nlohmann::json alone = nlohmann::json::array(), removed = nlohmann::json::array();
+    for (size_t i = cumulative_count; i < entries.size(); ++i) {
+      nlohmann::json entry = entries[i].rung;
+      const int64_t peak = entry["planned_peak_bytes"].get<int64_t>();
+      if (entries[i].section == "alone") {
+        entry["saving_bytes"] = baseline_peak - peak;
+        alone.push_back(std::move(entry));
+      } else {
+        entry["saving_bytes"] = peak - full_peak;
+        removed.push_back(std::move(entry));
+      }
+    }
+    ladder["isolate"] = {{"alone", alone}, {"removed", removed}};
+  }
   return ladder;
 }
 

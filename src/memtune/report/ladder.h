@@ -1,5 +1,7 @@
 // The memory ladder: the seed exercise as one command. Rungs apply memory techniques one at a
 // time, cumulatively, from an fp16 baseline; each is planned, and run where it fits the device.
+// With `isolate`, each technique is also run alone from the baseline, and the full stack is run
+// once without each technique, so that a trick's effect is seen apart from the order it came in.
 #pragma once
 
 #include <filesystem>
@@ -17,7 +19,9 @@ struct LadderOptions {
   uint64_t budget_bytes = 0;       // --vram
   int64_t steps = 3;               // optimizer steps measured per rung
   std::vector<std::string> order;  // trick names; empty: the seed's order
-  bool quiet = false;
+  bool isolate = false;            // --isolate: also each trick alone, and each removed
+  bool quiet = false;              // no progress line
+  std::filesystem::path metrics;   // --metrics: JSONL of steps and rungs; empty: none
   std::string commit, date;
 };
 

@@ -55,6 +55,23 @@ std::optional<double> get_loss(const json& object, std::string_view key, const s
                                      " (a number, or \"nan\"/\"inf\" for a diverged run)");
 }
 
+// The peer's figures for one rung: in peer.json's rungs and, once attached, under rung["peer"].
+LadderPeer parse_peer_figures(const json& value, const std::string& context) {
+  json_require_object(value, context);
+  LadderPeer peer;
+  peer.name = json_get_or<std::string>(value, "name", "", context);
+  peer.measured = json_get_optional<bool>(value, "measured", context);
+  peer.error = json_get_or<std::string>(value, "error", "", context);
+  peer.tokens_per_second = json_get_optional<double>(value, "tokens_per_second", context);
+  peer.step_seconds = json_get_optional<double>(value, "step_seconds", context);
+  peer.loss = get_loss(value, "loss", context);
+  peer.peak_allocated_bytes = get_bytes_optional(value, "peak_allocated_bytes", context);
+  peer.peak_reserved_bytes = get_bytes_optional(value, "peak_reserved_bytes", context);
+  peer.device_peak_bytes = get_bytes_optional(value, "device_peak_bytes", context);
+  peer.context_bytes = get_bytes_optional(value, "context_bytes", context);
+  return peer;
+}
+
 LadderRung parse_rung(const json& value, size_t index) {
   std::string context = fmt::format("ladder: rungs[{}]", index);
   json_require_object(value, context);
@@ -92,12 +109,10 @@ LadderRung parse_rung(const json& value, size_t index) {
         json_get_optional<int64_t>(*scaler, "skipped_steps", scaler_context),
         json_get_optional<double>(*scaler, "final_scale", scaler_context)};
   }
-  if (const json* peer = json_find(value, "peer", context); peer && !peer->is_null()) {
-    const std::string peer_context = context + ": peer";
-    json_require_object(*peer, peer_context);
-    rung.peer = LadderPeer{json_get_optional<double>(*peer, "tokens_per_second", peer_context),
-                           get_bytes_optional(*peer, "peak_reserved_bytes", peer_context)};
-  }
+  rung.mfu = json_get_optional<double>(value, "mfu", context);
+  rung.model_flops_per_token = json_get_optional<double>(value, "model_flops_per_token", context);
+  if (const json* peer = json_find(value, "peer", context); peer && !peer->is_null())
+    rung.peer = parse_peer_figures(*peer, context + ": peer");
   return rung;
 }
 
@@ -122,6 +137,8 @@ std::vector<LadderIsolateEntry> parse_isolate_list(const json& isolate, std::str
     const int64_t computed = alone ? static_cast<int64_t>(reference) - static_cast<int64_t>(entry.planned_peak_bytes)
                                    : static_cast<int64_t>(entry.planned_peak_bytes) - static_cast<int64_t>(reference);
     entry.saving_bytes = json_get_or<int64_t>(item, "saving_bytes", computed, entry_context);
+    entry.tokens_per_second = json_get_optional<double>(item, "tokens_per_second", entry_context);
+    entry.mfu = json_get_optional<double>(item, "mfu", entry_context);
     entries.push_back(std::move(entry));
   }
   return entries;
@@ -168,7 +185,40 @@ Ladder parse_ladder_json(const json& value) {
     ladder.isolate_alone = parse_isolate_list(*isolate, "alone", "ladder: isolate", true, ladder);
     ladder.isolate_removed = parse_isolate_list(*isolate, "removed", "ladder: isolate", false, ladder);
   }
+  if (const json* peer = json_find(value, "peer", context); peer && !peer->is_null()) {
+    const std::string peer_context = "ladder: peer";
+    json_require_object(*peer, peer_context);
+    LadderPeerInfo info;
+    info.versions = json_get_or<std::string>(*peer, "peer", "unknown", peer_context);
+    info.device = json_get_or<std::string>(*peer, "device", "unknown", peer_context);
+    info.date = json_get_or<std::string>(*peer, "date", "unknown", peer_context);
+    info.source = json_get_or<std::string>(*peer, "source", "", peer_context);
+    info.unmatched = json_get_or<std::vector<std::string>>(*peer, "unmatched", {}, peer_context);
+    ladder.peer = std::move(info);
+  }
+  ladder.device_peak_flops = json_get_optional<double>(value, "device_peak_flops", context);
+  ladder.device_peak_flops_source = json_get_or<std::string>(value, "device_peak_flops_source", "", context);
+  ladder.mfu_definition = json_get_or<std::string>(value, "mfu_definition", "", context);
   return ladder;
+}
+
+PeerComparison compare_with_peer(const LadderRung& rung) {
+  PeerComparison comparison;
+  if (!rung.peer) return comparison;
+  const LadderPeer& peer = *rung.peer;
+  if (rung.measured && rung.tokens_per_second && peer.tokens_per_second && std::isfinite(*rung.tokens_per_second) &&
+      std::isfinite(*peer.tokens_per_second) && *peer.tokens_per_second > 0) {
+    comparison.tokens_per_second_ratio = *rung.tokens_per_second / *peer.tokens_per_second;
+    comparison.beats_tokens_per_second = *rung.tokens_per_second > *peer.tokens_per_second;
+  }
+  // Both process-level (nvidia-smi): memtune's device peak against the peer's, never against
+  // torch's reserved bytes, which leave out the CUDA context and so flatter the peer.
+  if (rung.device_peak_bytes && peer.device_peak_bytes && *peer.device_peak_bytes > 0) {
+    comparison.device_peak_ratio =
+        static_cast<double>(*rung.device_peak_bytes) / static_cast<double>(*peer.device_peak_bytes);
+    comparison.beats_device_peak = *rung.device_peak_bytes < *peer.device_peak_bytes;
+  }
+  return comparison;
 }
 
 std::string_view claim_verdict_name(ClaimVerdict verdict) {
@@ -648,11 +698,40 @@ std::vector<LadderClaim> ladder_claims(const json& ladder) { return claims_of(pa
 // ---------------------------------------------------------------------------------------------
 namespace {
 
+bool any_peer(const Ladder& ladder) {
+  return std::any_of(ladder.rungs.begin(), ladder.rungs.end(), [](const LadderRung& r) { return r.peer.has_value(); });
+}
+
+std::string mfu_text(double mfu) { return std::isfinite(mfu) ? fmt::format("{:.1f}%", mfu * 100) : "n/a"; }
+
+std::string ratio_text(const std::optional<double>& ratio, const std::optional<bool>& beats, std::string_view better,
+                       std::string_view worse) {
+  if (!ratio) return "-";
+  return fmt::format("{:.2f}x {}", *ratio, beats.value_or(false) ? better : worse);
+}
+
 const std::vector<std::string>& result_headers() {
   static const std::vector<std::string> headers = {
-      "rung", "batch", "planned peak", "engine peak", "device peak", "fits", "tokens/s",
+      "rung", "batch", "planned peak", "engine peak", "device peak", "fits", "tokens/s", "MFU",
       "step s", "loss", "saving vs previous", "saving vs baseline"};
   return headers;
+}
+
+// The terminal's extra columns when a peer is attached: memtune/peer ratios, the verdict in words.
+const std::vector<std::string>& peer_headers() {
+  static const std::vector<std::string> headers = {"peer tokens/s", "peer device peak", "tokens/s vs peer",
+                                                   "device peak vs peer"};
+  return headers;
+}
+
+std::vector<std::string> peer_cells(const LadderRung& r) {
+  if (!r.peer) return {"-", "-", "-", "-"};
+  const PeerComparison c = compare_with_peer(r);
+  const bool failed = r.peer->measured.has_value() && !*r.peer->measured;
+  return {failed ? std::string("failed") : optional_text(r.peer->tokens_per_second, rate_text),
+          failed ? std::string("failed") : optional_text(r.peer->device_peak_bytes, [](uint64_t b) { return format_bytes(b); }),
+          ratio_text(c.tokens_per_second_ratio, c.beats_tokens_per_second, "faster", "slower"),
+          ratio_text(c.device_peak_ratio, c.beats_device_peak, "smaller", "larger")};
 }
 
 std::vector<std::vector<std::string>> result_rows(const Ladder& ladder) {
@@ -669,6 +748,7 @@ std::vector<std::vector<std::string>> result_rows(const Ladder& ladder) {
     row.push_back(optional_text(r.device_peak_bytes, bytes));
     row.push_back(fits_text(r));
     row.push_back(optional_text(r.tokens_per_second, rate_text));
+    row.push_back(optional_text(r.mfu, mfu_text));
     row.push_back(optional_text(r.step_seconds, [](double s) {
       return s >= 1 || s <= 0 ? fmt::format("{:.2f}", s) : fmt::format("{:.3g}", s);
     }));
@@ -732,8 +812,16 @@ std::string run_summary_line(const Ladder& ladder) {
 
 std::string ladder_terminal_table(const json& value) {
   const Ladder ladder = parse_ladder_json(value);
-  const std::vector<std::string>& headers = result_headers();
-  const std::vector<std::vector<std::string>> rows = result_rows(ladder);
+  std::vector<std::string> headers = result_headers();
+  std::vector<std::vector<std::string>> rows = result_rows(ladder);
+  const bool with_peer = any_peer(ladder);
+  if (with_peer) {
+    headers.insert(headers.end(), peer_headers().begin(), peer_headers().end());
+    for (size_t i = 0; i < rows.size(); ++i) {
+      const std::vector<std::string> cells = peer_cells(ladder.rungs[i]);
+      rows[i].insert(rows[i].end(), cells.begin(), cells.end());
+    }
+  }
   std::vector<size_t> widths(headers.size());
   for (size_t c = 0; c < headers.size(); ++c) {
     widths[c] = headers[c].size();
@@ -758,6 +846,14 @@ std::string ladder_terminal_table(const json& value) {
   for (const auto& row : rows) out += emit(row);
   out += "planned = the plan's arena peak; engine = measured peak of memtune's arenas; device = process\n"
          "device memory (nvidia-smi), context included. Savings are differences of planned peaks.\n";
+  out += ladder.device_peak_flops
+             ? fmt::format("MFU = model FLOPs/s over the {:.0f} TFLOP/s dense 16-bit peak of this device.\n",
+                           *ladder.device_peak_flops / 1e12)
+             : std::string("MFU: none (no GPU, or a device without a known peak).\n");
+  if (with_peer)
+    out += fmt::format("peer = {}: its device peak is process-level too, so the columns compare like with like;\n"
+                       "x = memtune / peer.\n",
+                       ladder.peer ? ladder.peer->versions : std::string("transformers + PEFT"));
   return out;
 }
 
@@ -823,7 +919,20 @@ std::string ladder_markdown(const json& value) {
 
   md += "## Results\n\n";
   md += markdown_table(result_headers(), result_rows(ladder),
-                       {false, false, true, true, true, false, true, true, true, true, true});
+                       {false, false, true, true, true, false, true, true, true, true, true, true});
+  md += "\n";
+  if (ladder.device_peak_flops) {
+    md += fmt::format("**MFU** (model FLOPs utilisation) = model FLOPs per token x tokens/s / {:.1f} TFLOP/s, the "
+                      "dense bf16/fp16 tensor-core peak of this device ({}). ",
+                      *ladder.device_peak_flops / 1e12,
+                      ladder.device_peak_flops_source.empty() ? "source not recorded" : ladder.device_peak_flops_source);
+  } else {
+    md += "**MFU** is not given: this run had no GPU, or the device has no known peak. ";
+  }
+  md += ladder.mfu_definition.empty()
+            ? std::string("Model FLOPs count the forward and backward of every matmul once (no checkpointing "
+                          "recompute).\n")
+            : ladder.mfu_definition + "\n";
   md += "\n";
 
   if (!ladder.unavailable.empty()) {
@@ -875,32 +984,68 @@ std::string ladder_markdown(const json& value) {
     md += "\n";
   }
 
-  const bool any_peer = std::any_of(ladder.rungs.begin(), ladder.rungs.end(),
-                                    [](const LadderRung& r) { return r.peer.has_value(); });
-  if (any_peer) {
+  if (any_peer(ladder)) {
     md += "## Against Hugging Face (peer)\n\n";
-    md += "The peer is the same rung run with transformers + PEFT (+ bitsandbytes) on the same device. Its peak is "
-          "torch's peak reserved memory, which leaves out the CUDA context: compare it with memtune's engine "
-          "peak, or with the device peak less the context.\n\n";
-    std::vector<std::vector<std::string>> rows;
-    for (const LadderRung& r : ladder.rungs) {
-      if (!r.peer) continue;
-      const auto bytes = [](uint64_t b) { return format_bytes(b); };
-      std::string speed = "-";
-      if (r.tokens_per_second && r.peer->tokens_per_second && *r.peer->tokens_per_second > 0)
-        speed = fmt::format("{:.2f}x", *r.tokens_per_second / *r.peer->tokens_per_second);
-      std::string memory = "-";
-      if (r.engine_peak_bytes && r.peer->peak_reserved_bytes)
-        memory = saving_cell(signed_difference(*r.peer->peak_reserved_bytes, *r.engine_peak_bytes),
-                             *r.peer->peak_reserved_bytes);
-      rows.push_back({r.name, optional_text(r.tokens_per_second, rate_text),
-                      optional_text(r.peer->tokens_per_second, rate_text), speed,
-                      optional_text(r.engine_peak_bytes, bytes), optional_text(r.device_peak_bytes, bytes),
-                      optional_text(r.peer->peak_reserved_bytes, bytes), memory});
+    if (ladder.peer) {
+      md += fmt::format("The peer is the same ladder run with {} on {}, {}{}.", ladder.peer->versions,
+                        ladder.peer->device, ladder.peer->date,
+                        ladder.peer->source.empty() ? "" : " (" + ladder.peer->source + ")");
+      if (ladder.peer->device != ladder.device)
+        md += fmt::format(" **The peer ran on \"{}\" and memtune on \"{}\": the figures are not from the same device.**",
+                          ladder.peer->device, ladder.device);
+      md += "\n\n";
+    } else {
+      md += "The peer is the same rung run with transformers + PEFT (+ bitsandbytes).\n\n";
     }
-    md += markdown_table({"rung", "memtune tokens/s", "peer tokens/s", "speed (memtune / peer)", "memtune engine peak",
-                          "memtune device peak", "peer peak reserved", "memtune saves (engine vs peer)"},
-                         rows, {false, true, true, true, true, true, true, true});
+    md += "What is compared with what: memtune's **device peak** with the peer's **device_peak_bytes**; both are "
+          "process-level device memory as nvidia-smi shows it, the CUDA context and library handles included, so "
+          "neither side is flattered. torch's peak reserved (the caching allocator's pool, without the context) "
+          "is shown for reference only. Speed: memtune's tokens/s with the peer's tokens_per_second, on the same "
+          "rung (same shape, matched by the trick it adds). The ratios are memtune / peer: tokens/s above 1x means "
+          "memtune is faster; device peak below 1x means memtune takes less memory. \"beats\" is **yes** where "
+          "memtune is faster, or smaller.\n\n";
+    std::vector<std::vector<std::string>> rows;
+    size_t faster = 0, compared_speed = 0, smaller = 0, compared_memory = 0;
+    std::vector<std::string> without_peer;
+    const auto bytes = [](uint64_t b) { return format_bytes(b); };
+    const auto verdict = [](const std::optional<bool>& beats) {
+      return beats ? std::string(*beats ? "**yes**" : "no") : std::string("-");
+    };
+    for (const LadderRung& r : ladder.rungs) {
+      if (!r.peer) {
+        without_peer.push_back(r.name);
+        continue;
+      }
+      const PeerComparison c = compare_with_peer(r);
+      compared_speed += c.beats_tokens_per_second.has_value();
+      faster += c.beats_tokens_per_second.value_or(false);
+      compared_memory += c.beats_device_peak.has_value();
+      smaller += c.beats_device_peak.value_or(false);
+      std::string status = r.peer->measured.value_or(true) ? "measured" : "did not run";
+      if (!r.peer->error.empty()) status += ": " + r.peer->error;
+      const auto ratio = [](const std::optional<double>& v) { return v ? fmt::format("{:.2f}x", *v) : std::string("-"); };
+      rows.push_back({r.name, optional_text(r.tokens_per_second, rate_text),
+                      optional_text(r.peer->tokens_per_second, rate_text), ratio(c.tokens_per_second_ratio),
+                      verdict(c.beats_tokens_per_second), optional_text(r.device_peak_bytes, bytes),
+                      optional_text(r.peer->device_peak_bytes, bytes), ratio(c.device_peak_ratio),
+                      verdict(c.beats_device_peak), optional_text(r.peer->peak_reserved_bytes, bytes), status});
+    }
+    md += markdown_table({"rung", "memtune tokens/s", "peer tokens/s", "tokens/s memtune/peer", "beats on tokens/s",
+                          "memtune device peak", "peer device peak", "device peak memtune/peer", "beats on device peak",
+                          "peer torch peak reserved", "peer"},
+                         rows, {false, true, true, true, false, true, true, true, false, true, false});
+    md += fmt::format("\nmemtune is faster on {} of {} rungs where both speeds were measured, and takes less device "
+                      "memory on {} of {} rungs where both device peaks were measured.",
+                      faster, compared_speed, smaller, compared_memory);
+    if (compared_memory == 0)
+      md += " (No device-peak comparison: one side has no process-level figure, e.g. a CPU run or a peer file "
+            "without device_peak_bytes.)";
+    md += "\n";
+    if (!without_peer.empty())
+      md += fmt::format("\nNo peer figure for: {}.\n", fmt::join(without_peer, "; "));
+    if (ladder.peer && !ladder.peer->unmatched.empty())
+      md += fmt::format("\nPeer rungs with no memtune rung of the same \"added\": {}.\n",
+                        fmt::join(ladder.peer->unmatched, "; "));
     md += "\n";
   }
 
@@ -919,6 +1064,10 @@ std::string ladder_markdown(const json& value) {
 
   if (ladder.has_isolate) {
     md += "## Isolating each trick\n\n";
+    md += "The ladder above adds each trick after the ones before it, so a trick's saving there depends on its place "
+          "in the order. Here each trick is taken on its own: added alone to the baseline, and removed alone from the "
+          "full stack. Savings are differences of planned peaks (every entry has one); device peak and tokens/s are "
+          "measured where the entry ran.\n\n";
     const auto bytes = [](uint64_t b) { return format_bytes(b); };
     const LadderRung& base = ladder.rungs[ladder.baseline];
     const LadderRung& full = ladder.rungs.back();
@@ -927,9 +1076,10 @@ std::string ladder_markdown(const json& value) {
                         format_bytes(base.planned_peak_bytes));
       std::vector<std::vector<std::string>> rows;
       for (const LadderIsolateEntry& e : ladder.isolate_alone)
-        rows.push_back({e.name, format_bytes(e.planned_peak_bytes), optional_text(e.device_peak_bytes, bytes, "plan only"),
-                        saving_cell(e.saving_bytes, base.planned_peak_bytes)});
-      md += markdown_table({"trick", "planned peak", "device peak", "saving vs baseline"}, rows, {false, true, true, true});
+        rows.push_back({e.name, format_bytes(e.planned_peak_bytes), optional_text(e.device_peak_bytes, bytes, "-"),
+                        optional_text(e.tokens_per_second, rate_text), saving_cell(e.saving_bytes, base.planned_peak_bytes)});
+      md += markdown_table({"trick", "planned peak", "device peak", "tokens/s", "saving vs baseline"}, rows,
+                           {false, true, true, true, true});
       const auto most = std::max_element(ladder.isolate_alone.begin(), ladder.isolate_alone.end(),
                                          [](const auto& a, const auto& b) { return a.saving_bytes < b.saving_bytes; });
       md += fmt::format("\nMatters most alone: **{}**, saving {} ({} of the baseline).\n\n", most->name,
@@ -941,10 +1091,10 @@ std::string ladder_markdown(const json& value) {
                         format_bytes(full.planned_peak_bytes));
       std::vector<std::vector<std::string>> rows;
       for (const LadderIsolateEntry& e : ladder.isolate_removed)
-        rows.push_back({e.name, format_bytes(e.planned_peak_bytes), optional_text(e.device_peak_bytes, bytes, "plan only"),
-                        saving_cell(e.saving_bytes, full.planned_peak_bytes)});
-      md += markdown_table({"trick removed", "planned peak without it", "device peak", "cost of removing it"}, rows,
-                           {false, true, true, true});
+        rows.push_back({e.name, format_bytes(e.planned_peak_bytes), optional_text(e.device_peak_bytes, bytes, "-"),
+                        optional_text(e.tokens_per_second, rate_text), saving_cell(e.saving_bytes, full.planned_peak_bytes)});
+      md += markdown_table({"trick removed", "planned peak without it", "device peak", "tokens/s", "cost of removing it"},
+                           rows, {false, true, true, true, true});
       const auto most = std::max_element(ladder.isolate_removed.begin(), ladder.isolate_removed.end(),
                                          [](const auto& a, const auto& b) { return a.saving_bytes < b.saving_bytes; });
       md += fmt::format("\nRemoval that hurts most: **{}**, adding {} ({} more than the full stack).\n\n", most->name,
@@ -994,7 +1144,7 @@ std::string ladder_csv(const json& value) {
   static const std::set<std::string> kKnown = {
       "name", "techniques", "added", "planned", "planned_peak_bytes", "engine_peak_bytes", "device_peak_bytes",
       "fits_budget", "fits_device", "measured", "step_seconds", "tokens_per_second", "loss", "loss_scaler",
-      "micro_batch", "grad_accum", "seq", "peer"};
+      "micro_batch", "grad_accum", "seq", "peer", "mfu", "model_flops_per_token"};
   std::set<std::string> extra;
   for (const json& rung : value.at("rungs"))
     for (const auto& [key, field] : rung.items())
@@ -1003,8 +1153,11 @@ std::string ladder_csv(const json& value) {
   std::vector<std::string> header = {
       "index", "name", "added", "techniques", "micro_batch", "grad_accum", "seq", "planned_peak_bytes",
       "engine_peak_bytes", "device_peak_bytes", "fits_budget", "fits_device", "measured", "step_seconds",
-      "tokens_per_second", "loss", "loss_scaler_skipped_steps", "loss_scaler_final_scale",
-      "peer_tokens_per_second", "peer_peak_reserved_bytes", "saving_vs_previous_bytes", "saving_vs_baseline_bytes"};
+      "tokens_per_second", "mfu", "model_flops_per_token", "loss", "loss_scaler_skipped_steps",
+      "loss_scaler_final_scale", "peer_measured", "peer_error", "peer_tokens_per_second", "peer_step_seconds",
+      "peer_loss", "peer_peak_allocated_bytes", "peer_peak_reserved_bytes", "peer_device_peak_bytes",
+      "peer_context_bytes", "tokens_per_second_vs_peer", "device_peak_vs_peer", "beats_peer_tokens_per_second",
+      "beats_peer_device_peak", "saving_vs_previous_bytes", "saving_vs_baseline_bytes"};
   for (int c = 0; c < kNumMemCategories; ++c) header.push_back("planned_" + std::string(category_name(category_at(c))));
   for (const std::string& key : extra) header.push_back(key);
 
@@ -1020,19 +1173,28 @@ std::string ladder_csv(const json& value) {
   const auto opt_u = [](const std::optional<uint64_t>& v) { return v ? std::to_string(*v) : std::string(); };
   const auto opt_d = [](const std::optional<double>& v) { return v ? csv_double(*v) : std::string(); };
   const auto boolean = [](bool b) { return std::string(b ? "true" : "false"); };
+  const auto opt_b = [&](const std::optional<bool>& v) { return v ? boolean(*v) : std::string(); };
   const uint64_t baseline_peak = ladder.rungs[ladder.baseline].planned_peak_bytes;
   for (size_t i = 0; i < ladder.rungs.size(); ++i) {
     const LadderRung& r = ladder.rungs[i];
+    const PeerComparison comparison = compare_with_peer(r);
     std::string techniques;
     for (const std::string& t : r.techniques) techniques += (techniques.empty() ? "" : ";") + t;
     std::vector<std::string> row = {
         std::to_string(i), r.name, r.added, techniques, std::to_string(r.micro_batch), std::to_string(r.grad_accum),
         std::to_string(r.seq), std::to_string(r.planned_peak_bytes), opt_u(r.engine_peak_bytes),
         opt_u(r.device_peak_bytes), boolean(r.fits_budget), boolean(r.fits_device), boolean(r.measured),
-        opt_d(r.step_seconds), opt_d(r.tokens_per_second), opt_d(r.loss),
+        opt_d(r.step_seconds), opt_d(r.tokens_per_second), opt_d(r.mfu), opt_d(r.model_flops_per_token),
+        opt_d(r.loss),
         r.loss_scaler && r.loss_scaler->skipped_steps ? std::to_string(*r.loss_scaler->skipped_steps) : "",
         r.loss_scaler ? opt_d(r.loss_scaler->final_scale) : "",
-        r.peer ? opt_d(r.peer->tokens_per_second) : "", r.peer ? opt_u(r.peer->peak_reserved_bytes) : "",
+        r.peer && r.peer->measured ? boolean(*r.peer->measured) : "", r.peer ? r.peer->error : "",
+        r.peer ? opt_d(r.peer->tokens_per_second) : "", r.peer ? opt_d(r.peer->step_seconds) : "",
+        r.peer ? opt_d(r.peer->loss) : "", r.peer ? opt_u(r.peer->peak_allocated_bytes) : "",
+        r.peer ? opt_u(r.peer->peak_reserved_bytes) : "", r.peer ? opt_u(r.peer->device_peak_bytes) : "",
+        r.peer ? opt_u(r.peer->context_bytes) : "", opt_d(comparison.tokens_per_second_ratio),
+        opt_d(comparison.device_peak_ratio), opt_b(comparison.beats_tokens_per_second),
+        opt_b(comparison.beats_device_peak),
         i == 0 ? "" : std::to_string(signed_difference(ladder.rungs[i - 1].planned_peak_bytes, r.planned_peak_bytes)),
         std::to_string(signed_difference(baseline_peak, r.planned_peak_bytes))};
     for (int c = 0; c < kNumMemCategories; ++c) row.push_back(std::to_string(r.planned[c]));
@@ -1065,6 +1227,7 @@ constexpr size_t kCategoryColor[kNumMemCategories] = {
     9,  // workspace: pale grey
 };
 constexpr std::string_view kBudgetRed = "#CC3311";
+constexpr std::string_view kPeerOrange = "#EE7733";  // Paul Tol's vibrant orange: apart from every category colour
 
 struct ChartUnit {
   double bytes;
@@ -1117,7 +1280,7 @@ std::string ladder_svg(const json& value) {
     for (uint64_t b : r.planned) live += b;
     if (r.planned_peak_bytes > live + live / 200) any_gap = true;
     max_bytes = std::max({max_bytes, r.planned_peak_bytes, live, r.engine_peak_bytes.value_or(0),
-                          r.device_peak_bytes.value_or(0)});
+                          r.device_peak_bytes.value_or(0), r.peer ? r.peer->device_peak_bytes.value_or(0) : 0});
   }
   // A budget far above every bar would squash them to slivers: then it is written, not drawn.
   const bool has_budget = ladder.budget_bytes > 0;
@@ -1134,7 +1297,8 @@ std::string ladder_svg(const json& value) {
   const std::string budget_label = budget_text(ladder);
   const std::vector<std::string> marker_labels = {
       "device peak (nvidia-smi)", "engine peak (memtune arenas)", budget_label,
-      "plan limit (budget less context)", "over budget", "plan only (not run here)", "arena gaps"};
+      "plan limit (budget less context)", "over budget", "plan only (not run here)", "arena gaps",
+      "peer device peak (transformers)"};
   double legend_width = svg::text_width("planned, by category", legend_font);
   for (const auto& [label, c] : legend_categories)
     legend_width = std::max(legend_width, svg::text_width(label, legend_font));
@@ -1215,9 +1379,10 @@ std::string ladder_svg(const json& value) {
     const double center = plot_left + slot * (static_cast<double>(i) + 0.5);
     const double left = center - bar_width / 2;
     doc.raw(fmt::format("<g class=\"rung\" id=\"rung-{}\">", i));
-    doc.title(fmt::format("{}: planned {}, engine {}, device {}{}", r.name, format_bytes(r.planned_peak_bytes),
+    doc.title(fmt::format("{}: planned {}, engine {}, device {}{}{}", r.name, format_bytes(r.planned_peak_bytes),
                           r.engine_peak_bytes ? format_bytes(*r.engine_peak_bytes) : "not measured",
                           r.device_peak_bytes ? format_bytes(*r.device_peak_bytes) : "not measured",
+                          r.peer && r.peer->device_peak_bytes ? ", peer device " + format_bytes(*r.peer->device_peak_bytes) : "",
                           r.fits_budget ? "" : ", over budget"));
     const std::string opacity = r.measured ? "" : " fill-opacity=\"0.45\"";
     double cursor = 0;
@@ -1253,6 +1418,15 @@ std::string ladder_svg(const json& value) {
       const double tip = left + bar_width + 8;
       doc.polygon({{tip, y}, {tip + 8, y - 5}, {tip + 8, y + 5}}, "fill=\"#000000\"");
       label_bases[i] = std::min(label_bases[i], y - 7);
+    }
+    if (r.peer && r.peer->device_peak_bytes) {
+      // The peer's process-level peak, comparable with the device peak line: an open diamond left
+      // of the bar, where nothing else is drawn, so both stay readable when they nearly coincide.
+      const double y = y_of(static_cast<double>(*r.peer->device_peak_bytes));
+      const double x = left - 16;
+      doc.polygon({{x, y - 6}, {x + 6, y}, {x, y + 6}, {x - 6, y}},
+                  fmt::format("class=\"peer-device-peak\" fill=\"#ffffff\" stroke=\"{}\" stroke-width=\"2.2\"", kPeerOrange));
+      label_bases[i] = std::min(label_bases[i], y - 9);
     }
     doc.raw("</g>");
   }
@@ -1368,6 +1542,11 @@ std::string ladder_svg(const json& value) {
     doc.rect(legend_x + 4, ly, 18, 14, "fill=\"none\" stroke=\"#777777\" stroke-dasharray=\"2,2\"");
     legend_row(marker_labels[6]);
   }
+  if (any_rung([](const LadderRung& r) { return r.peer && r.peer->device_peak_bytes.has_value(); })) {
+    doc.polygon({{legend_x + 13, ly + 1}, {legend_x + 19, ly + 7}, {legend_x + 13, ly + 13}, {legend_x + 7, ly + 7}},
+                fmt::format("fill=\"#ffffff\" stroke=\"{}\" stroke-width=\"2.2\"", kPeerOrange));
+    legend_row(marker_labels[7]);
+  }
 
   // How the measured figures relate, under the names.
   const std::string note =
@@ -1377,6 +1556,86 @@ std::string ladder_svg(const json& value) {
           : std::string("No GPU on this run: there is no device peak; engine peaks are the measured figure.");
   doc.text(plot_left, height - 18, note, "font-size=\"11\" fill=\"#555555\"");
   return doc.finish();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Peer
+// ---------------------------------------------------------------------------------------------
+namespace {
+
+// Every peer rung, validated, with the trick it adds.
+std::vector<std::pair<std::string, LadderPeer>> parse_peer_rungs(const json& peer, const std::string& context) {
+  json_require_object(peer, context);
+  json_get<std::string>(peer, "peer", context);
+  json_get_or<std::string>(peer, "device", "", context);
+  json_get_or<std::string>(peer, "date", "", context);
+  const json& peer_rungs = json_require(peer, "rungs", context);
+  MT_USER_CHECK(peer_rungs.is_array(), "{}: key \"rungs\": expected an array, got {}", context,
+                json_value_description(peer_rungs));
+  std::vector<std::pair<std::string, LadderPeer>> by_added;
+  for (size_t i = 0; i < peer_rungs.size(); ++i) {
+    std::string rung_context = fmt::format("{}: rungs[{}]", context, i);
+    json_require_object(peer_rungs[i], rung_context);
+    const std::string name = json_get<std::string>(peer_rungs[i], "name", rung_context);
+    rung_context = fmt::format("{}: rungs[{}] (\"{}\")", context, i, name);
+    const std::string added = json_get<std::string>(peer_rungs[i], "added", rung_context);
+    json_get<bool>(peer_rungs[i], "measured", rung_context);
+    for (const auto& [seen, figures] : by_added)
+      MT_USER_CHECK(seen != added, "{}: a second rung with \"added\": \"{}\" (the first is \"{}\")", rung_context,
+                    added, figures.name);
+    by_added.emplace_back(added, parse_peer_figures(peer_rungs[i], rung_context));
+  }
+  return by_added;
+}
+
+std::string peer_context(const std::string& source) { return source.empty() ? std::string("peer") : source; }
+
+}  // namespace
+
+void validate_peer_json(const json& peer, const std::string& source) { parse_peer_rungs(peer, peer_context(source)); }
+
+json attach_peer(const json& ladder_value, const json& peer, const std::string& source) {
+  const Ladder ladder = parse_ladder_json(ladder_value);  // a bad ladder fails here, not half-way
+  const std::string context = peer_context(source);
+  const std::vector<std::pair<std::string, LadderPeer>> by_added = parse_peer_rungs(peer, context);
+  const json& peer_rungs = peer["rungs"];
+  const std::string versions = peer["peer"].get<std::string>();
+
+  json out = ladder_value;
+  std::vector<bool> used(by_added.size(), false);
+  for (size_t r = 0; r < ladder.rungs.size(); ++r) {
+    json& rung = out["rungs"][r];
+    rung.erase("peer");
+    for (size_t p = 0; p < by_added.size(); ++p) {
+      if (by_added[p].first != ladder.rungs[r].added) continue;
+      used[p] = true;
+      json figures = peer_rungs[p];
+      figures.erase("added");  // the rung's own "added" says it
+      LadderRung with_peer = ladder.rungs[r];
+      with_peer.peer = by_added[p].second;
+      const PeerComparison c = compare_with_peer(with_peer);
+      const auto or_null = [](const auto& v) { return v ? json(*v) : json(nullptr); };
+      figures["tokens_per_second_ratio"] = or_null(c.tokens_per_second_ratio);
+      figures["device_peak_ratio"] = or_null(c.device_peak_ratio);
+      figures["beats_tokens_per_second"] = or_null(c.beats_tokens_per_second);
+      figures["beats_device_peak"] = or_null(c.beats_device_peak);
+      rung["peer"] = std::move(figures);
+    }
+  }
+  json unmatched = json::array();
+  for (size_t p = 0; p < by_added.size(); ++p)
+    if (!used[p]) unmatched.push_back(by_added[p].second.name);
+  out["peer"] = {{"peer", versions},
+                 {"device", json_get_or<std::string>(peer, "device", "unknown", context)},
+                 {"date", json_get_or<std::string>(peer, "date", "unknown", context)},
+                 {"config", peer.contains("config") ? peer["config"] : json(nullptr)},
+                 {"source", source},
+                 {"unmatched", unmatched},
+                 {"compared",
+                  "memtune device_peak_bytes with the peer's device_peak_bytes (both process-level, as nvidia-smi "
+                  "shows: CUDA context included); memtune tokens_per_second with the peer's tokens_per_second; "
+                  "ratios are memtune / peer"}};
+  return out;
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@
 #include "memtune/io/file_util.h"
 #include "memtune/io/json_util.h"
 #include "memtune/io/safetensors.h"
+#include "memtune/ops/device.h"
 
 namespace memtune {
 
@@ -28,7 +29,15 @@ Engine::Engine(Backend& backend, void* arena, uint64_t arena_bytes, const RunCon
       lora_(LoraState::allocate(memory_, model_, run.lora_config(), precision_dtype(run.precision),
                                 /*with_optimizer=*/true)),
       grad_norm_sq_(memory_.alloc("optimizer.grad_norm_sq", MemCategory::workspace, DType::f32, Shape{1})),
-      step_(backend_, memory_, model_, run.step_options(), weights_, lora_) {}
+      backend_workspace_(backend.workspace_bytes() == 0
+                             ? Tensor{}
+                             : memory_.alloc("backend.workspace", MemCategory::workspace, DType::u8,
+                                             Shape{static_cast<int64_t>(backend.workspace_bytes())})),
+      step_(backend_, memory_, model_, run.step_options(), weights_, lora_) {
+  backend_.bind_workspace(backend_workspace_);
+}
+
+Engine::~Engine() { backend_.bind_workspace(Tensor{}); }
 
 void Engine::init_random_weights(uint64_t seed) { weights_.init_random(backend_, model_, seed); }
 
@@ -238,9 +247,9 @@ std::pair<double, int64_t> Engine::eval_loss_sum(const HostMicroBatch& batch) {
   return {backend_.read_scalar(step_.loss_sum()), batch.valid_targets()};
 }
 
-Plan plan_run(const RunConfig& run, const LlamaConfig& model) {
+Plan plan_run(const RunConfig& run, const LlamaConfig& model, Device target) {
   const auto start = std::chrono::steady_clock::now();
-  std::unique_ptr<Backend> meta = make_meta_backend();
+  std::unique_ptr<Backend> meta = make_meta_backend(backend_workspace_bytes(target));
   Engine engine(*meta, nullptr, 0, run, model);
   const int64_t n = run.per_device_train_batch_size * run.max_seq_length;
   HostMicroBatch batch;

@@ -51,6 +51,9 @@ class Engine {
   // Plans when backend is the meta backend (arena null); else runs on the given arena.
   Engine(Backend& backend, void* arena, uint64_t arena_bytes, const RunConfig& run,
          const LlamaConfig& model);
+  ~Engine();  // unbinds the backend's workspace, which lives in this engine's arena
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
 
   Memory& memory() { return memory_; }
   const ModelWeights& weights() const { return weights_; }
@@ -90,13 +93,15 @@ class Engine {
   ModelWeights weights_;
   LoraState lora_;
   Tensor grad_norm_sq_;  // f32 [1]
+  Tensor backend_workspace_;  // Backend::workspace_bytes() of planned scratch, bound to the backend
   LlamaStep step_;
   LossScalerState scaler_;
   int64_t steps_done_ = 0;
 };
 
-// The plan of a run: the engine on the meta backend through one full optimizer step.
-Plan plan_run(const RunConfig& run, const LlamaConfig& model);
+// The plan of a run: the engine on the meta backend through one full optimizer step, for a
+// target device (whose backend's workspace is planned with the rest).
+Plan plan_run(const RunConfig& run, const LlamaConfig& model, Device target = Device::cuda);
 
 // Builds micro-batches of one optimizer step from token sequences (each its own sample):
 // truncated to max_seq_length, right-padded, labels shifted, -100 on padding.

@@ -12,7 +12,7 @@ namespace memtune {
 class PlannedEngine {
  public:
   PlannedEngine(Backend& backend, const RunConfig& run, const LlamaConfig& model)
-      : backend_(backend), plan_(plan_run(run, model)) {
+      : backend_(backend), plan_(plan_run(run, model, backend.device())) {
     arena_ = backend_.allocate_arena(plan_.arena_bytes);
     engine_ = std::make_unique<Engine>(backend_, arena_, plan_.arena_bytes, run, model);
   }

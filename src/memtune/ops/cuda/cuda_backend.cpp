@@ -3,9 +3,15 @@
 // backend owns, and cuda_ops.h for why this file, not a .cu, holds the class.
 #include "memtune/ops/cuda/cuda_backend.h"
 
+#include <algorithm>
+#include <array>
 #include <cmath>
+#include <memory>
+#include <vector>
 
 #include "memtune/ops/cuda/cuda_check.h"
+#include "memtune/quant/codebook.h"  // quant4bit: the reference's constants
+#include "memtune/ops/device.h"
 
 namespace memtune {
 namespace {
@@ -84,18 +90,40 @@ bool cuda_device_available() {
   return count > 0;
 }
 
-CudaBackend::CudaBackend() {
-  MT_CUDA_CHECK(cudaMalloc(&workspace_, kWorkspaceBytes));
-  MT_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&reduction_scratch_),
-                           sizeof(float) * cuda::kMaxPartials));
-  gemm_ = cuda::gemm_context_create(workspace_, kWorkspaceBytes);
-}
+static_assert(kCudaReductionScratchBytes == sizeof(float) * cuda::kMaxPartials);
+
+CudaBackend::CudaBackend() { gemm_ = cuda::gemm_context_create(nullptr, kCudaGemmWorkspaceBytes); }
 
 CudaBackend::~CudaBackend() {
   cudaDeviceSynchronize();
   cuda::gemm_context_destroy(gemm_);
-  cudaFree(reduction_scratch_);
-  cudaFree(workspace_);
+  cudaFree(owned_workspace_);
+}
+
+uint64_t CudaBackend::workspace_bytes() const { return backend_workspace_bytes(Device::cuda); }
+
+void CudaBackend::bind_workspace(const Tensor& workspace) {
+  if (workspace.empty()) {
+    bound_workspace_ = nullptr;
+  } else {
+    MT_ASSERT(workspace.device == Device::cuda && workspace.nbytes() >= workspace_bytes(),
+              "bind_workspace: {} bytes on {}, need {} on cuda", workspace.nbytes(),
+              device_name(workspace.device), workspace_bytes());
+    bound_workspace_ = workspace.data;
+  }
+  reduction_scratch_ = nullptr;  // re-pointed by the next ensure_workspace
+}
+
+void CudaBackend::ensure_workspace() {
+  if (reduction_scratch_ != nullptr) return;
+  void* base = bound_workspace_;
+  if (base == nullptr) {
+    if (owned_workspace_ == nullptr) MT_CUDA_CHECK(cudaMalloc(&owned_workspace_, workspace_bytes()));
+    base = owned_workspace_;
+  }
+  // The GEMM workspace first (cudaMalloc and the planner both align the base to 256 bytes).
+  cuda::gemm_context_set_workspace(gemm_, base, kCudaGemmWorkspaceBytes);
+  reduction_scratch_ = reinterpret_cast<float*>(static_cast<char*>(base) + kCudaGemmWorkspaceBytes);
 }
 
 void* CudaBackend::allocate_arena(uint64_t bytes) {
@@ -164,6 +192,7 @@ void CudaBackend::sum_squares(const Tensor& acc, const Tensor& x) {
   check_tensor(acc, DType::f32, "sum_squares acc");
   MT_ASSERT(acc.numel() == 1, "sum_squares acc {} is not one value", acc.shape.str());
   check_float_tensor(x, "sum_squares x");
+  ensure_workspace();
   cuda::launch_sum_squares(acc.as<float>(), x.data, x.dtype, x.numel(), reduction_scratch_,
                            stream_);
 }
@@ -204,6 +233,7 @@ void CudaBackend::matmul(const Tensor& c, const Tensor& a, bool transpose_a, con
   args.k = k;
   args.alpha = alpha;
   args.beta = beta;
+  ensure_workspace();
   cuda::gemm(gemm_, args, stream_);
 }
 
@@ -320,6 +350,7 @@ void CudaBackend::attention_eager_forward(const Tensor& out, const Tensor& probs
   check_same_count(out, q, "attention_eager_forward out");
   check_matrix(probs, dims, "attention_eager_forward probs");
   check_matrix(scores_scratch, dims, "attention_eager_forward scores_scratch");
+  ensure_workspace();
   cuda::attention_eager_forward(gemm_, p, out.data, out.dtype, probs.data, probs.dtype,
                                 scores_scratch.data, scores_scratch.dtype, q.data, q.dtype,
                                 k.data, k.dtype, v.data, v.dtype, stream_);
@@ -341,6 +372,7 @@ void CudaBackend::attention_eager_backward(const Tensor& dq, const Tensor& dk, c
   check_same_count(dv, k, "attention_eager_backward dv");
   check_matrix(probs, dims, "attention_eager_backward probs");
   check_matrix(dprobs_scratch, dims, "attention_eager_backward dprobs_scratch");
+  ensure_workspace();
   cuda::attention_eager_backward(gemm_, p, dq.data, dq.dtype, dk.data, dk.dtype, dv.data,
                                  dv.dtype, dprobs_scratch.data, dprobs_scratch.dtype,
                                  d_out.data, d_out.dtype, probs.data, probs.dtype, q.data,
@@ -441,6 +473,7 @@ void CudaBackend::cross_entropy_forward_backward(const Tensor& loss_sum, const T
   MT_ASSERT(d_logits.numel() == logits.numel() && d_logits.numel() > 0,
             "cross_entropy_forward_backward d_logits {} for logits {}", d_logits.shape.str(),
             logits.shape.str());
+  ensure_workspace();
   cuda::launch_cross_entropy(loss_sum.as<float>(), d_logits.data, d_logits.dtype, logits.data,
                              logits.dtype, targets.as<const int32_t>(), logits.rows(),
                              logits.cols(), grad_scale, reduction_scratch_, stream_);
@@ -449,6 +482,7 @@ void CudaBackend::cross_entropy_forward_backward(const Tensor& loss_sum, const T
 void CudaBackend::cross_entropy_forward(const Tensor& loss_sum, const Tensor& logits,
                                         const Tensor& targets) {
   check_cross_entropy_args("cross_entropy_forward", loss_sum, logits, targets);
+  ensure_workspace();
   cuda::launch_cross_entropy(loss_sum.as<float>(), nullptr, DType::f32, logits.data,
                              logits.dtype, targets.as<const int32_t>(), logits.rows(),
                              logits.cols(), 1.0f, reduction_scratch_, stream_);
@@ -492,6 +526,171 @@ void CudaBackend::adamw_step(const Tensor& param, const Tensor& grad, const Tens
   cuda::launch_adamw(param.as<float>(), grad.as<const float>(), exp_avg.as<float>(),
                      exp_avg_sq.as<float>(), n, s, stream_);
 }
+
+// ---- QLoRA 4-bit (quant4bit.cu) -------------------------------------------------------------------
+
+namespace {
+
+// The reference's constants (quant/codebook.h) for the kernels, built once per type.
+const cuda::Quant4bitTables& quant4bit_tables(QuantType type) {
+  static const auto build = [](QuantType t) {
+    cuda::Quant4bitTables tables;
+    tables.is_nf4 = t == QuantType::nf4;
+    const std::array<float, 16>& values =
+        tables.is_nf4 ? nf4_code_values() : fp4_code_values();
+    std::copy(values.begin(), values.end(), tables.code_values);
+    std::copy(nf4_thresholds().begin(), nf4_thresholds().end(), tables.nf4_thresholds);
+    const std::array<float, 7>& fp4 = fp4_magnitude_thresholds();
+    std::copy(fp4.begin(), fp4.end(), tables.fp4_thresholds);
+    // The magnitude code for each rank, read off the reference itself: rank 0 is 0.0, rank r the
+    // float just above threshold r - 1 (which exceeds exactly r thresholds).
+    for (int rank = 0; rank < 8; ++rank) {
+      const float x = rank == 0 ? 0.0f : std::nextafter(fp4[rank - 1], 2.0f);
+      MT_ASSERT(rank == 7 || x < fp4[rank], "fp4 thresholds too close");
+      const uint32_t code = fp4_quantize_scaled(x);
+      MT_ASSERT(code < 8, "fp4 code {} of a positive value", code);
+      tables.fp4_code_by_rank |= code << (4 * rank);
+    }
+    return tables;
+  };
+  static const cuda::Quant4bitTables nf4 = build(QuantType::nf4);
+  static const cuda::Quant4bitTables fp4 = build(QuantType::fp4);
+  return type == QuantType::nf4 ? nf4 : fp4;
+}
+
+void check_quantized_on_cuda(const Quantized4bit& q, std::string_view what) {
+  check_quantized4bit_layout(q, what);
+  MT_ASSERT(q.packed.device == Device::cuda && q.absmax.device == Device::cuda &&
+                q.code_map.device == Device::cuda,
+            "{}: quantized tensors not on cuda", what);
+  if (q.config.double_quant)
+    MT_ASSERT(q.nested_absmax.device == Device::cuda && q.nested_map.device == Device::cuda,
+              "{}: nested tensors not on cuda", what);
+}
+
+// Whether the device's absmax sum is bit for bit the reference's index-order double sum
+// (absmax_mean in quant/nf4.cpp). Every absmax is 0 or a normal fp32 (subnormals are flushed),
+// so each is an integer multiple of u = ulp(smallest nonzero absmax) = 2^(exponent - 23), and so
+// is every partial sum of them, in any order. A double holds such a multiple exactly while it is
+// below 2^53 u; the values are non-negative, so no partial sum exceeds the total. Hence when the
+// total is below 2^52 u (a factor 2 of margin for the rounding of the computed total itself) no
+// addition on either side rounded, and both sums are the exact sum. Random and real weights pass
+// with a margin of thousands; a tensor whose absmax values span more than ~2^20 (e.g. an all-but-
+// zero block next to normal ones) fails, and the caller then sums on the host in index order.
+bool absmax_sum_is_exact(double sum, float min_nonzero_absmax) {
+  if (sum == 0.0) return true;  // every absmax is 0
+  if (!(min_nonzero_absmax > 0.0f) || !std::isfinite(min_nonzero_absmax)) return false;
+  const double ulp = std::ldexp(1.0, std::ilogb(min_nonzero_absmax) - 23);
+  return sum < std::ldexp(ulp, 52);
+}
+
+// A device buffer for the duration of one call.
+class TemporaryDeviceBuffer {
+ public:
+  explicit TemporaryDeviceBuffer(uint64_t bytes) {
+    MT_CUDA_CHECK(cudaMalloc(&data_, std::max<uint64_t>(bytes, 256)));
+  }
+  ~TemporaryDeviceBuffer() {
+    MT_CUDA_CHECK(cudaDeviceSynchronize());  // the kernels that use it are done
+    MT_CUDA_CHECK(cudaFree(data_));
+  }
+  TemporaryDeviceBuffer(const TemporaryDeviceBuffer&) = delete;
+  TemporaryDeviceBuffer& operator=(const TemporaryDeviceBuffer&) = delete;
+  template <typename T>
+  T* as() const {
+    return static_cast<T*>(data_);
+  }
+
+ private:
+  void* data_ = nullptr;
+};
+
+}  // namespace
+
+void CudaBackend::dequantize_4bit(const Tensor& out, const Quantized4bit& q) {
+  check_quantized_on_cuda(q, "dequantize_4bit");
+  check_float_tensor(out, "dequantize_4bit out");
+  MT_ASSERT(out.numel() == q.shape.numel(), "dequantize {} into {}", q.shape.str(),
+            out.shape.str());
+  cuda::Dequantize4bitArgs args;
+  args.out = out.data;
+  args.out_type = out.dtype;
+  args.packed = q.packed.as<const uint8_t>();
+  args.n = q.shape.numel();
+  args.blocksize = q.config.blocksize;
+  args.double_quant = q.config.double_quant;
+  if (q.config.double_quant) {
+    args.absmax_codes = q.absmax.as<const uint8_t>();
+    args.nested_absmax = q.nested_absmax.as<const float>();
+    args.nested_map = q.nested_map.as<const float>();
+    args.nested_offset = q.nested_offset;
+    args.nested_blocksize = q.config.nested_blocksize;
+  } else {
+    args.absmax = q.absmax.as<const float>();
+  }
+  cuda::launch_dequantize_4bit(args, quant4bit_tables(q.config.type), stream_);
+}
+
+void CudaBackend::quantize_4bit(Quantized4bit& q, const Tensor& dense, std::string_view name) {
+  check_quantized_on_cuda(q, name);
+  check_float_tensor(dense, "quantize_4bit dense");
+  MT_ASSERT(dense.numel() == q.shape.numel(), "quantize '{}': dense {} for shape {}", name,
+            dense.shape.str(), q.shape.str());
+  ensure_workspace();
+  const int64_t n = q.shape.numel();
+  const int64_t blocks = (n + q.config.blocksize - 1) / q.config.blocksize;
+  const bool double_quant = q.config.double_quant;
+  // Double quant needs the fp32 absmax only until it is re-quantized: stage it.
+  std::unique_ptr<TemporaryDeviceBuffer> staged_absmax;
+  if (double_quant)
+    staged_absmax = std::make_unique<TemporaryDeviceBuffer>(static_cast<uint64_t>(blocks) * sizeof(float));
+  float* absmax = double_quant ? staged_absmax->as<float>() : q.absmax.as<float>();
+
+  cuda::Quantize4bitBlocksArgs args;
+  args.dense = dense.data;
+  args.dense_type = dense.dtype;
+  args.n = n;
+  args.blocksize = q.config.blocksize;
+  args.packed = q.packed.as<uint8_t>();
+  args.absmax = absmax;
+  args.sum_absmax = double_quant;
+  args.scratch = reduction_scratch_;
+  args.scratch_bytes = kCudaReductionScratchBytes;
+  const cuda::Quantize4bitBlocksResult result =
+      cuda::quantize_4bit_blocks(args, quant4bit_tables(q.config.type), stream_);
+
+  if (result.first_non_finite >= 0) {
+    // The reference scans before it quantizes and throws the error users see; run it on the
+    // host copy so that both backends say exactly the same thing.
+    staged_absmax.reset();
+    std::vector<uint8_t> host(dense.nbytes());
+    copy_to_host(host.data(), dense);
+    (void)memtune::quantize_4bit(host.data(), dense.dtype, q.shape, q.config, name);
+    MT_ASSERT(false, "quantize '{}': the device found a non-finite element {} that the host did not",
+              name, result.first_non_finite);
+  }
+
+  const std::array<float, 16> code_map = bnb_quant_map(q.config.type == QuantType::nf4);
+  copy_from_host(q.code_map, code_map.data());
+  q.nested_offset = 0.0f;
+  if (!double_quant) return;
+
+  // offset = mean(absmax) exactly as absmax_mean computes it (see absmax_sum_is_exact).
+  if (absmax_sum_is_exact(result.absmax_sum, result.min_nonzero_absmax)) {
+    q.nested_offset = static_cast<float>(result.absmax_sum / static_cast<double>(blocks));
+  } else {
+    std::vector<float> host_absmax(static_cast<size_t>(blocks));
+    MT_CUDA_CHECK(cudaMemcpy(host_absmax.data(), absmax, host_absmax.size() * sizeof(float),
+                             cudaMemcpyDeviceToHost));
+    q.nested_offset = absmax_mean(host_absmax);
+  }
+  copy_from_host(q.nested_map, signed_dynamic_map().data());
+  cuda::launch_double_quantize_absmax(absmax, blocks, q.config.nested_blocksize, q.nested_offset,
+                                      q.nested_map.as<const float>(), q.absmax.as<uint8_t>(),
+                                      q.nested_absmax.as<float>(), stream_);
+}
+
+// ---- end QLoRA 4-bit -------------------------------------------------------------------------------
 
 #ifdef MEMTUNE_WITH_CUDA
 std::unique_ptr<Backend> make_cuda_backend() { return std::make_unique<CudaBackend>(); }

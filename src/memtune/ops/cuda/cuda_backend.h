@@ -5,15 +5,16 @@
 // Streams: everything runs on the legacy default stream, in call order, so the host-side copies
 // (cudaMemcpy) are ordered with the kernels without extra events.
 //
-// Memory owned by the backend itself, allocated once at creation (the planner is to take these
-// over as planned buffers of MemCategory::workspace):
+// Scratch (Backend::workspace_bytes, planned by the engine and bound with bind_workspace):
 //  - a 32 MiB cuBLASLt workspace;
 //  - a 256 KiB fp32 reduction scratch (kMaxPartials floats) for the deterministic sums of
 //    sum_squares and cross_entropy.
+// Without a binding (the op tests) the backend allocates the same scratch itself on first use.
 #pragma once
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 
 #include "memtune/ops/backend.h"
 #include "memtune/ops/cuda/cuda_ops.h"
@@ -22,7 +23,6 @@ namespace memtune {
 
 class CudaBackend final : public Backend {
  public:
-  static constexpr uint64_t kWorkspaceBytes = 32ull << 20;
 
   CudaBackend();
   ~CudaBackend() override;
@@ -37,6 +37,8 @@ class CudaBackend final : public Backend {
   void copy_from_host(const Tensor& dst, const void* host_src) override;
   void copy_to_host(void* host_dst, const Tensor& src) override;
   void synchronize() override;
+  uint64_t workspace_bytes() const override;
+  void bind_workspace(const Tensor& workspace) override;
 
   void fill(const Tensor& dst, float value) override;
   void convert(const Tensor& dst, const Tensor& src) override;
@@ -92,9 +94,21 @@ class CudaBackend final : public Backend {
   void fill_random(const Tensor& dst, Distribution distribution, float a, float b,
                    uint64_t seed) override;
 
+  // ---- QLoRA 4-bit (quant4bit.cu; bit-identical to quant/nf4.h) ----
+  void dequantize_4bit(const Tensor& out, const Quantized4bit& q) override;
+  // Synchronises (the double-quant offset is a host float). Double quant stages the fp32 absmax
+  // in a temporary device buffer of 4 bytes per block (n / 16 bytes at blocksize 64).
+  void quantize_4bit(Quantized4bit& q, const Tensor& dense, std::string_view name) override;
+  // ---- end QLoRA 4-bit ----
+
  private:
+  // Points gemm_ and reduction_scratch_ at the bound scratch, or at owned scratch allocated
+  // here on first use when none is bound. Called by every op that uses them.
+  void ensure_workspace();
+
   cudaStream_t stream_ = nullptr;  // the legacy default stream
-  void* workspace_ = nullptr;
+  void* bound_workspace_ = nullptr;  // planned by the engine; null when unbound
+  void* owned_workspace_ = nullptr;  // the fallback, allocated on first unbound use
   float* reduction_scratch_ = nullptr;
   cuda::GemmContext* gemm_ = nullptr;
 };

@@ -61,6 +61,9 @@ struct GemmArgs {
 // The cuBLASLt handle, its workspace and a cache of the chosen algorithms.
 struct GemmContext;
 GemmContext* gemm_context_create(void* workspace, uint64_t workspace_bytes);
+// Points later GEMMs at another workspace. The algorithms already chosen were chosen for the
+// old size, so the size must not shrink (the backend always binds the same size).
+void gemm_context_set_workspace(GemmContext* context, void* workspace, uint64_t workspace_bytes);
 void gemm_context_destroy(GemmContext* context);
 // cuBLASLt where it takes the dtypes (A and B of one dtype; f32 in -> f32 out, 16-bit in -> the
 // same 16-bit or f32 out) and finds an algorithm; otherwise a plain fp32 tiled kernel.
@@ -147,5 +150,63 @@ struct AdamWScalars {
 };
 void launch_adamw(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, int64_t n,
                   const AdamWScalars& s, cudaStream_t stream);
+
+// ---- QLoRA 4-bit quantize / dequantize (quant4bit.cu) ----------------------------------------
+// The kernels reproduce the CPU reference of quant/nf4.h bit for bit; every constant they use is
+// handed over from the host (from quant/codebook.h), never retyped, so that both sides compare
+// against the very same floats.
+struct Quant4bitTables {
+  bool is_nf4 = true;
+  float code_values[16] = {};     // nf4_code_values() / fp4_code_values() (the dequantize LUT)
+  float nf4_thresholds[15] = {};  // nf4_thresholds(), ascending
+  float fp4_thresholds[7] = {};   // fp4_magnitude_thresholds(), ascending
+  // The FP4 magnitude code for "exceeds r thresholds" in bits [4r, 4r + 4).
+  uint32_t fp4_code_by_rank = 0;
+};
+
+// Stage 1 of quantize_4bit: per block of `blocksize` elements, absmax (fp32, into `absmax`) and
+// the packed codes; and a scan for NaN / Inf. With `sum_absmax` (double quant) it also reduces
+// the absmax values in a fixed order. Synchronises (the results are needed on the host).
+struct Quantize4bitBlocksArgs {
+  const void* dense = nullptr;
+  DType dense_type = DType::f32;
+  int64_t n = 0;
+  int64_t blocksize = 64;
+  uint8_t* packed = nullptr;  // (n + 1) / 2 bytes
+  float* absmax = nullptr;    // ceil(n / blocksize) floats
+  bool sum_absmax = false;
+  void* scratch = nullptr;    // the backend's reduction scratch (at least 64 KiB)
+  uint64_t scratch_bytes = 0;
+};
+struct Quantize4bitBlocksResult {
+  int64_t first_non_finite = -1;  // lowest flat index of a NaN / Inf element, -1 if none
+  double absmax_sum = 0.0;        // sum of absmax in double (sum_absmax only)
+  float min_nonzero_absmax = 0.0f;  // smallest absmax > 0; +inf when all are 0 (sum_absmax only)
+};
+Quantize4bitBlocksResult quantize_4bit_blocks(const Quantize4bitBlocksArgs& args,
+                                              const Quant4bitTables& tables, cudaStream_t stream);
+
+// Stage 2 (double quant): codes[i] and nested_absmax from centered = absmax[i] - offset per
+// nested block, against nested_map (256 sorted floats on the device).
+void launch_double_quantize_absmax(const float* absmax, int64_t blocks, int64_t nested_blocksize,
+                                   float offset, const float* nested_map, uint8_t* codes,
+                                   float* nested_absmax, cudaStream_t stream);
+
+struct Dequantize4bitArgs {
+  void* out = nullptr;
+  DType out_type = DType::bf16;  // f32, f16 or bf16
+  const uint8_t* packed = nullptr;
+  int64_t n = 0;
+  int64_t blocksize = 64;
+  const float* absmax = nullptr;  // f32 per block (no double quant)
+  bool double_quant = false;
+  const uint8_t* absmax_codes = nullptr;  // double quant: u8 per block,
+  const float* nested_absmax = nullptr;   // f32 per nested block,
+  const float* nested_map = nullptr;      // 256 floats,
+  float nested_offset = 0.0f;             // and the mean offset
+  int64_t nested_blocksize = 256;
+};
+void launch_dequantize_4bit(const Dequantize4bitArgs& args, const Quant4bitTables& tables,
+                            cudaStream_t stream);
 
 }  // namespace memtune::cuda

@@ -160,6 +160,11 @@ GemmContext* gemm_context_create(void* workspace, uint64_t workspace_bytes) {
   return context;
 }
 
+void gemm_context_set_workspace(GemmContext* context, void* workspace, uint64_t workspace_bytes) {
+  context->workspace = workspace;
+  context->workspace_bytes = workspace_bytes;
+}
+
 void gemm_context_destroy(GemmContext* context) {
   if (context == nullptr) return;
   for (auto& [key, plan] : context->plans) {

@@ -1,0 +1,173 @@
+#!/usr/bin/env bash
+# Wheels for the Hugging Face peer (bench/peer_hf.py) on a machine with no package index.
+#
+#   bash bench/install_peer_wheels.sh                 install every wheel in .whl/ (none: says so, exits 0)
+#   source bench/install_peer_wheels.sh               the same; if it had to fall back to a --target
+#                                                     folder, PYTHONPATH is exported in your shell too
+#   bash bench/install_peer_wheels.sh --prepare-bnb [VERSION]
+#                                                     (on a machine that reaches PyPI) download the
+#                                                     bitsandbytes wheel, keep only the CUDA build the
+#                                                     device needs (+ the tiny CPU one), repack it as a
+#                                                     valid wheel into .whl/
+#
+# Install: `pip install --no-deps --no-index --no-cache-dir` into the running Python's environment
+# (with --break-system-packages where pip knows the flag). If pip refuses (read-only or externally
+# managed site-packages), it installs with --target "$PEER_WHEEL_TARGET" (default /tmp/peer_site)
+# and exports PYTHONPATH; when the script is run rather than sourced, use the printed export line.
+# Set PEER_WHEEL_TARGET to go straight to a --target install.
+#
+# Environment: PYTHON (default python3), PEER_WHEEL_DIR (default <repo>/.whl), PEER_WHEEL_TARGET,
+# BNB_CUDA (the CUDA build to keep with --prepare-bnb, default 130 = CUDA 13.0).
+
+_peer_wheels_main() {
+  local here repo py dir
+  here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+  repo="$(cd "$here/.." && pwd)"
+  py="${PYTHON:-python3}"
+  dir="${PEER_WHEEL_DIR:-$repo/.whl}"
+
+  if [ "${1:-}" = "--prepare-bnb" ]; then
+    _peer_prepare_bnb "$py" "$dir" "${2:-0.50.2}" "${BNB_CUDA:-130}"
+    return $?
+  fi
+  if [ $# -gt 0 ]; then
+    echo "install_peer_wheels: unknown argument '$1' (see the header of ${BASH_SOURCE[0]})" >&2
+    return 2
+  fi
+
+  local wheels=() w
+  for w in "$dir"/*.whl; do [ -f "$w" ] && wheels+=("$w"); done
+  if [ ${#wheels[@]} -eq 0 ]; then
+    echo "install_peer_wheels: no wheels in $dir: nothing to install"
+    return 0
+  fi
+  echo "install_peer_wheels: ${#wheels[@]} wheel(s) in $dir:"
+  for w in "${wheels[@]}"; do echo "  $(basename "$w") ($(du -k "$w" | cut -f1) KiB)"; done
+  if [ -n "${BNB_CUDA_VERSION:-}" ]; then
+    echo "install_peer_wheels: note: BNB_CUDA_VERSION=$BNB_CUDA_VERSION is set; bitsandbytes then loads" \
+         "libbitsandbytes_cuda$BNB_CUDA_VERSION.so and nothing else" >&2
+  fi
+
+  local pip_flags=(--no-deps --no-index --no-cache-dir --no-compile --disable-pip-version-check)
+  local mode="" target="${PEER_WHEEL_TARGET:-}"
+  if [ -z "$target" ]; then
+    local extra=()
+    if "$py" -m pip install --help 2>/dev/null | grep -q -- --break-system-packages; then
+      extra=(--break-system-packages)
+    fi
+    if "$py" -m pip install -q "${pip_flags[@]}" "${extra[@]}" "${wheels[@]}"; then
+      mode="environment of $("$py" -c 'import sys; print(sys.prefix)')"
+    else
+      echo "install_peer_wheels: pip refused the environment install; falling back to --target" >&2
+      target=/tmp/peer_site
+    fi
+  fi
+  if [ -z "$mode" ]; then
+    mkdir -p "$target" || return 1
+    if ! "$py" -m pip install -q "${pip_flags[@]}" --upgrade --target "$target" "${wheels[@]}"; then
+      echo "install_peer_wheels: pip install --target $target failed" >&2
+      return 1
+    fi
+    case ":${PYTHONPATH:-}:" in
+      *":$target:"*) ;;
+      *) export PYTHONPATH="$target${PYTHONPATH:+:$PYTHONPATH}" ;;
+    esac
+    mode="--target $target"
+    echo "install_peer_wheels: installed into $target; in a shell that did not source this script run:"
+    echo "  export PYTHONPATH=$PYTHONPATH"
+  fi
+
+  echo "install_peer_wheels: installed ($mode):"
+  local name
+  for w in "${wheels[@]}"; do
+    name="$(basename "$w" | cut -d- -f1)"
+    "$py" - "$name" <<'EOF'
+import importlib.metadata as md, sys
+name = sys.argv[1]
+try:
+    dist = md.distribution(name)
+    where = dist.locate_file("")
+    print(f"  {name} {dist.version} at {where}")
+except md.PackageNotFoundError:
+    print(f"  {name}: NOT importable from this Python after the install", file=sys.stderr)
+    sys.exit(1)
+EOF
+  done
+  return 0
+}
+
+_peer_prepare_bnb() {
+  local py="$1" dir="$2" version="$3" cuda="$4" tmp
+  tmp="$(mktemp -d)" || return 1
+  echo "install_peer_wheels: downloading bitsandbytes==$version (manylinux x86_64, cp312)"
+  if ! "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+      --platform manylinux_2_24_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_28_x86_64 \
+      --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$tmp" "bitsandbytes==$version"; then
+    echo "install_peer_wheels: pip download failed" >&2
+    rm -rf "$tmp"
+    return 1
+  fi
+  mkdir -p "$dir" || return 1
+  "$py" - "$tmp" "$dir" "$cuda" <<'EOF'
+# Repack: drop every native library but libbitsandbytes_cuda<N>.so and libbitsandbytes_cpu.so,
+# rewrite RECORD (sha256, size) and add a build tag so the file is not mistaken for the original.
+import base64, glob, hashlib, os, sys, zipfile
+src_dir, out_dir, cuda = sys.argv[1], sys.argv[2], sys.argv[3]
+(src,) = glob.glob(os.path.join(src_dir, "bitsandbytes-*.whl"))
+name, version, *rest = os.path.basename(src)[:-4].split("-")
+tags = rest[-3:]
+build = f"1cu{cuda}"
+keep_libs = {f"libbitsandbytes_cuda{cuda}.so", "libbitsandbytes_cpu.so"}
+out = os.path.join(out_dir, "-".join([name, version, build, *tags]) + ".whl")
+for old in glob.glob(os.path.join(out_dir, "bitsandbytes-*.whl")):
+    os.remove(old)
+kept, dropped, records = [], [], []
+with zipfile.ZipFile(src) as zin:
+    names = zin.namelist()
+    if f"bitsandbytes/libbitsandbytes_cuda{cuda}.so" not in names:
+        avail = sorted(n.split("/")[-1] for n in names if "libbitsandbytes_cuda" in n)
+        sys.exit(f"no libbitsandbytes_cuda{cuda}.so in {src}; it ships: {avail}")
+    record_name = next(n for n in names if n.endswith(".dist-info/RECORD"))
+    tmp_out = out + ".tmp"
+    with zipfile.ZipFile(tmp_out, "w", zipfile.ZIP_DEFLATED) as zout:
+        for info in zin.infolist():
+            base = info.filename.split("/")[-1]
+            if info.filename == record_name:
+                continue
+            if base.startswith("libbitsandbytes_") and base not in keep_libs:
+                dropped.append(base)
+                continue
+            data = zin.read(info)
+            if info.filename.endswith(".dist-info/WHEEL"):
+                text = data.decode()
+                if "\nBuild:" not in text:
+                    text = text.rstrip("\n") + f"\nBuild: {build}\n"
+                data = text.encode()
+            digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+            records.append(f"{info.filename},sha256={digest},{len(data)}")
+            zi = zipfile.ZipInfo(info.filename, date_time=info.date_time)
+            zi.external_attr = info.external_attr
+            zi.compress_type = zipfile.ZIP_DEFLATED
+            zout.writestr(zi, data)
+            if base.startswith("libbitsandbytes_"):
+                kept.append(f"{base} ({len(data)} bytes)")
+        records.append(f"{record_name},,")
+        zout.writestr(record_name, "\n".join(records) + "\n")
+    os.replace(tmp_out, out)
+print(f"install_peer_wheels: wrote {out} ({os.path.getsize(out)} bytes; original {os.path.getsize(src)} bytes)")
+print(f"  kept:    {', '.join(kept)}")
+print(f"  dropped: {', '.join(sorted(dropped))}")
+EOF
+  local rc=$?
+  rm -rf "$tmp"
+  return $rc
+}
+
+_peer_wheels_main "$@"
+_peer_wheels_rc=$?
+unset -f _peer_wheels_main _peer_prepare_bnb
+# Sourced: return to the caller's shell without exiting it; run: exit with the status.
+if [ "${BASH_SOURCE[0]}" != "$0" ]; then
+  return "$_peer_wheels_rc"
+fi
+exit "$_peer_wheels_rc"

@@ -1,0 +1,280 @@
+// Whole training steps on the CUDA backend: against the CPU backend (the oracle) in every
+// precision and memory technique, against the Hugging Face golden files, the fp16 loss scaler's
+// overflow handling, and the plan's accuracy on the device.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "gpu_test_util.h"
+#include "memtune/io/safetensors.h"
+#include "memtune/model/llama_config.h"
+#include "memtune/ops/device.h"
+#include "memtune/train/engine_arena.h"
+
+namespace memtune::gputest {
+namespace {
+
+namespace fs = std::filesystem;
+
+LlamaConfig small_model() {
+  LlamaConfig c = resolve_model("tiny").config;  // hidden 128, 4 heads / 2 kv heads
+  c.num_hidden_layers = 2;
+  c.vocab_size = 300;
+  return c;
+}
+
+RunConfig small_run() {
+  RunConfig run;
+  run.per_device_train_batch_size = 2;
+  run.max_seq_length = 40;
+  run.lora_r = 4;
+  run.lora_alpha = 8;
+  run.learning_rate = 1e-2;
+  return run;
+}
+
+std::vector<HostMicroBatch> random_batches(const LlamaConfig& model, const RunConfig& run, int count,
+                                           uint64_t seed) {
+  std::vector<HostMicroBatch> out;
+  for (int m = 0; m < count; ++m) {
+    std::vector<std::vector<int32_t>> ids(run.per_device_train_batch_size);
+    for (size_t r = 0; r < ids.size(); ++r) {
+      const int64_t len = run.max_seq_length - static_cast<int64_t>(r) * 7;  // some padding
+      for (int64_t t = 0; t < len; ++t)
+        ids[r].push_back(static_cast<int32_t>(dropout_hash(seed, m * 10000 + r * 100 + t) % model.vocab_size));
+    }
+    out.push_back(make_micro_batch(ids, ids, run.max_seq_length));
+  }
+  return out;
+}
+
+std::vector<float> host_floats(Backend& backend, const Tensor& t) {
+  std::vector<float> f32(t.numel());
+  if (t.dtype == DType::f32) {
+    backend.copy_to_host(f32.data(), t);
+  } else {
+    std::vector<uint8_t> raw(t.nbytes());
+    backend.copy_to_host(raw.data(), t);
+    for (int64_t i = 0; i < t.numel(); ++i) f32[i] = load_as_f32(raw.data(), t.dtype, i);
+  }
+  return f32;
+}
+
+struct StepOutcome {
+  std::vector<double> losses, grad_norms;
+  std::vector<float> grads;         // after the first step, unscaled
+  std::vector<float> lora_weights;  // after the last step
+};
+
+// Two optimizer steps of two micro-batches each, from the same seeded weights on any backend
+// (fill_random draws the same values everywhere), with non-zero B so every gradient is non-zero.
+StepOutcome two_steps(Backend& backend, const RunConfig& run, const LlamaConfig& model) {
+  PlannedEngine engine(backend, run, model);
+  engine->init_random_weights(7);
+  engine->init_adapters(11);
+  for (const LoraTensors& t : engine->lora().tensors())
+    backend.fill_random(t.b, Backend::Distribution::normal, 0.0f, 0.05f, 3);
+  engine->lora().sync_compute_copies(backend);
+  StepOutcome out;
+  for (int s = 0; s < 2; ++s) {
+    const double loss_scale = run.precision == Precision::fp16 ? engine->scaler().scale : 1.0;
+    const StepReport report = engine->train_step(random_batches(model, run, 2, 5 + s));
+    EXPECT_FALSE(report.skipped);
+    out.losses.push_back(report.loss);
+    out.grad_norms.push_back(report.grad_norm);
+    if (s == 0) {
+      for (const LoraTensors& t : engine->lora().tensors())
+        for (const Tensor* g : {&t.grad_a, &t.grad_b})
+          for (float v : host_floats(backend, *g)) out.grads.push_back(static_cast<float>(v / loss_scale));
+    }
+  }
+  for (const LoraTensors& t : engine->lora().tensors())
+    for (const Tensor* w : {&t.a, &t.b})
+      for (float v : host_floats(backend, *w)) out.lora_weights.push_back(v);
+  // The engine allocated exactly its plan, and nothing else.
+  EXPECT_EQ(engine->memory().verify_against(engine.plan().records), "");
+  EXPECT_EQ(engine->memory().allocator().high_water(), engine.plan().arena_bytes);
+  return out;
+}
+
+struct Variant {
+  Precision precision;
+  const char* attention;
+  bool checkpointing;
+  const char* loss;
+  bool qlora = false;
+  std::string name() const {
+    return std::string(precision_name(precision)) + "/" + attention + (checkpointing ? "/ckpt" : "") +
+           "/" + loss + (qlora ? "/nf4" : "");
+  }
+};
+
+class CudaStepTest : public CudaTest {};
+
+TEST_F(CudaStepTest, WholeStepsMatchTheCpuInEveryPrecisionAndTechnique) {
+  const LlamaConfig model = small_model();
+  const std::vector<Variant> variants = {
+      {Precision::fp32, "eager", false, "full"},     {Precision::fp32, "flash", true, "chunked"},
+      {Precision::bf16, "eager", false, "full"},     {Precision::bf16, "flash", false, "full"},
+      {Precision::bf16, "flash", true, "chunked"},   {Precision::fp16, "eager", false, "full"},
+      {Precision::fp16, "flash", true, "chunked"},   {Precision::bf16, "flash", true, "chunked", true},
+  };
+  for (const Variant& v : variants) {
+    SCOPED_TRACE(v.name());
+    RunConfig run = small_run();
+    run.precision = v.precision;
+    run.attn_implementation = v.attention;
+    run.gradient_checkpointing = v.checkpointing;
+    run.loss_implementation = v.loss;
+    run.loss_chunk_tokens = 24;
+    run.load_in_4bit = v.qlora;
+    const StepOutcome want = two_steps(cpu(), run, model);
+    const StepOutcome got = two_steps(gpu(), run, model);
+    // The CPU computes in fp32 over the same storage; the GPU rounds its 16-bit intermediates at
+    // other points (flash tiles, GEMM epilogues), so 16-bit modes get the storage tolerance.
+    const double tolerance = v.precision == Precision::fp32 ? 1e-4 : 3e-2;
+    for (size_t s = 0; s < want.losses.size(); ++s) {
+      EXPECT_NEAR(got.losses[s], want.losses[s], tolerance * want.losses[s]) << "step " << s;
+      EXPECT_NEAR(got.grad_norms[s], want.grad_norms[s], 5 * tolerance * want.grad_norms[s]) << "step " << s;
+    }
+    expect_close("lora grads after step 1", got.grads, want.grads, 5 * tolerance);
+    expect_close("lora weights after step 2", got.lora_weights, want.lora_weights, tolerance);
+  }
+}
+
+// ---- Hugging Face golden files on the GPU ---------------------------------------------------------
+
+fs::path golden_dir(const std::string& name) { return fs::path(MEMTUNE_SOURCE_DIR) / "tests/fixtures/golden" / name; }
+
+nlohmann::json read_json(const fs::path& path) {
+  std::ifstream in(path);
+  return nlohmann::json::parse(in);
+}
+
+template <typename T>
+std::vector<T> values_of(const SafetensorsTensor& t) {
+  std::vector<T> out(t.nbytes / sizeof(T));
+  std::memcpy(out.data(), t.data, t.nbytes);
+  return out;
+}
+
+std::vector<std::vector<int32_t>> rows_of(const std::vector<int32_t>& flat, int64_t rows, int64_t seq) {
+  std::vector<std::vector<int32_t>> out(rows);
+  for (int64_t r = 0; r < rows; ++r) out[r].assign(flat.begin() + r * seq, flat.begin() + (r + 1) * seq);
+  return out;
+}
+
+TEST_F(CudaStepTest, GoldenLossAndGradsInFp32AndBf16) {
+  for (const char* fixture : {"gqa_rope", "gqa_rope_rslora", "tied_odd"}) {
+    for (Precision precision : {Precision::fp32, Precision::bf16}) {
+      for (const char* attention : {"eager", "flash"}) {
+        SCOPED_TRACE(std::string(fixture) + " " + std::string(precision_name(precision)) + " " + attention);
+        const fs::path dir = golden_dir(fixture);
+        const LlamaConfig model = LlamaConfig::from_file(dir / "config.json");
+        const SafetensorsFile batch_file = SafetensorsFile::open(dir / "batch.safetensors");
+        const SafetensorsFile forward = SafetensorsFile::open(dir / "forward.safetensors");
+        const SafetensorsTensor& ids = batch_file.get("input_ids");
+        const int64_t rows = ids.shape[0], seq = ids.shape[1];
+        const nlohmann::json adapter = read_json(dir / "adapter/adapter_config.json");
+        RunConfig run;
+        run.precision = precision;
+        run.attn_implementation = attention;
+        run.per_device_train_batch_size = rows;
+        run.max_seq_length = seq;
+        run.lora_r = adapter["r"];
+        run.lora_alpha = adapter["lora_alpha"];
+        run.use_rslora = adapter.value("use_rslora", false);
+        PlannedEngine engine(gpu(), run, model);
+        engine->load_base_checkpoint(dir / "model.safetensors");
+        engine->load_adapter(dir / "adapter");
+        const HostMicroBatch batch = make_micro_batch(rows_of(values_of<int32_t>(ids), rows, seq),
+                                                      rows_of(values_of<int32_t>(batch_file.get("labels")), rows, seq), seq);
+        const float hf_loss = values_of<float>(forward.get("loss"))[0];
+        const auto [loss_sum, count] = engine->eval_loss_sum(batch);
+        // fp32: the GPU sums in another order than torch's CPU; bf16: weights and activations are
+        // rounded to 8 mantissa bits, so the loss moves by about a percent.
+        const double loss_tolerance = precision == Precision::fp32 ? 1e-5 : 1e-2;
+        const double grad_tolerance = precision == Precision::fp32 ? 1e-3 : 6e-2;
+        EXPECT_NEAR(loss_sum / count, hf_loss, loss_tolerance * hf_loss);
+        engine->train_step({batch});
+        const LoraState& lora = engine->lora();
+        for (size_t i = 0; i < lora.specs().size(); ++i) {
+          const LoraSpec& spec = lora.specs()[i];
+          expect_close(spec.a_key, host_floats(gpu(), lora.tensors()[i].grad_a),
+                       values_of<float>(forward.get(spec.a_key)), grad_tolerance);
+          expect_close(spec.b_key, host_floats(gpu(), lora.tensors()[i].grad_b),
+                       values_of<float>(forward.get(spec.b_key)), grad_tolerance);
+        }
+      }
+    }
+  }
+}
+
+// ---- fp16 loss scaling --------------------------------------------------------------------------
+
+TEST_F(CudaStepTest, Fp16PlantedInfIsSkippedAndTheScaleBacksOff) {
+  const LlamaConfig model = small_model();
+  RunConfig run = small_run();
+  run.precision = Precision::fp16;
+  PlannedEngine engine(gpu(), run, model);
+  engine->init_random_weights(1);
+  engine->init_adapters(2);
+  const std::vector<float> before = host_floats(gpu(), engine->lora().tensors()[0].a);
+  const Tensor& w = engine->weights().layers[0].projections[0];
+  std::vector<uint16_t> host(w.numel());
+  gpu().copy_to_host(host.data(), w);
+  host[0] = 0x7c00;  // +inf in f16: the loss, and so every gradient, overflows
+  gpu().copy_from_host(w, host.data());
+  const double scale_before = engine->scaler().scale;
+  const StepReport report = engine->train_step(random_batches(model, run, 1, 1));
+  EXPECT_TRUE(report.skipped);
+  EXPECT_EQ(engine->scaler().skipped_steps, 1);
+  EXPECT_EQ(engine->scaler().scale, scale_before * 0.5);
+  EXPECT_EQ(host_floats(gpu(), engine->lora().tensors()[0].a), before) << "a skipped step must not update";
+  // Repaired, the next step goes through at the lower scale.
+  host[0] = 0;
+  gpu().copy_from_host(w, host.data());
+  EXPECT_FALSE(engine->train_step(random_batches(model, run, 1, 2)).skipped);
+  EXPECT_EQ(engine->scaler().scale, scale_before * 0.5);
+}
+
+// ---- the plan on the device ---------------------------------------------------------------------
+
+TEST_F(CudaStepTest, DevicePeakIsThePlanPlusTheContext) {
+  // A model large enough that the arena dominates the driver's rounding.
+  LlamaConfig model = resolve_model("tiny").config;
+  model.hidden_size = 1024;
+  model.intermediate_size = 2816;
+  model.num_attention_heads = 8;
+  model.num_key_value_heads = 2;
+  model.head_dim = 128;
+  model.vocab_size = 32000;
+  RunConfig run = small_run();
+  run.precision = Precision::bf16;
+  run.max_seq_length = 512;
+  for (const char* attention : {"eager", "flash"}) {
+    SCOPED_TRACE(attention);
+    run.attn_implementation = attention;
+    const uint64_t before = device_memory_in_use(gpu());
+    {
+      PlannedEngine engine(gpu(), run, model);
+      engine->init_random_weights(1);
+      engine->init_adapters(2);
+      engine->train_step(random_batches(model, run, 2, 1));
+      gpu().synchronize();
+      const uint64_t planned = engine.plan().arena_bytes;
+      EXPECT_EQ(engine->memory().allocator().high_water(), planned);
+      const uint64_t grew = device_memory_in_use(gpu()) - before;
+      const double slack = std::max(0.03 * planned, 256.0 * (1 << 20));
+      EXPECT_LE(std::abs(static_cast<double>(grew) - static_cast<double>(planned)), slack)
+          << "device grew by " << grew << " for a plan of " << planned;
+      std::printf("  PLAN %s: planned %llu, device grew %llu\n", attention,
+                  static_cast<unsigned long long>(planned), static_cast<unsigned long long>(grew));
+    }
+  }
+}
+
+}  // namespace
+}  // namespace memtune::gputest
