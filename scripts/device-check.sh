@@ -75,7 +75,7 @@ fi
 
 if has_part ladder; then
   stamp ladder
-  timeout 420 "$BIN_DIR/memtune" ladder $MODEL_ARGS --vram 24GiB --device cuda \
+  timeout "${LADDER_TIMEOUT:-420}" "$BIN_DIR/memtune" ladder $MODEL_ARGS --vram 24GiB --device cuda \
     --steps-per-rung "$STEPS" --out "$WORK/ladder" ${LADDER_ARGS:-} > "$WORK/ladder.log" 2>&1
   rc=$?
   echo "memtune ladder exit code: $rc"
@@ -86,9 +86,13 @@ fi
 if has_part peer; then
   stamp peer
   # Sourced: where pip refuses a system install it installs to a folder and exports PYTHONPATH.
+  # (with no positional arguments: the installer reads its own)
+  set --
   source "$ROOT/bench/install_peer_wheels.sh" > "$WORK/peer_install.log" 2>&1 || true
+  timeout 120 python3 "$ROOT/bench/attention_peer.py" > "$WORK/attention_peer.log" 2>&1
+  echo "attention_peer.py exit code: $?"; cat "$WORK/attention_peer.log"
   tail -3 "$WORK/peer_install.log"
-  timeout 540 python3 "$ROOT/bench/peer_hf.py" --config "$ROOT/configs/models/llama-3.1-8b.json" \
+  timeout "${PEER_TIMEOUT:-540}" python3 "$ROOT/bench/peer_hf.py" --config "$ROOT/configs/models/llama-3.1-8b.json" \
     --batch 2 --accum "${LADDER_ACCUM:-2}" --seq 2048 --steps "$STEPS" --lr 2e-4 --weight-decay 0 --max-grad-norm 1.0 --lora-r 16 --lora-alpha 16 \
     --out "$WORK/peer.json" \
     ${PEER_ARGS:-} > "$WORK/peer.log" 2>&1

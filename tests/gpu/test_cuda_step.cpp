@@ -93,8 +93,8 @@ StepOutcome two_steps(Backend& backend, const RunConfig& run, const LlamaConfig&
   for (const LoraTensors& t : engine->lora().tensors())
     for (const Tensor* w : {&t.a, &t.b})
       for (float v : host_floats(backend, *w)) out.lora_weights.push_back(v);
-  // The engine allocated exactly its plan, and nothing else.
-  EXPECT_EQ(engine->memory().verify_against(engine.plan().records), "");
+  // The engine stayed inside its plan (the plan is one micro-batch; the allocations of every
+  // further one repeat it, so the sequences differ in length but not in peak).
   EXPECT_EQ(engine->memory().allocator().high_water(), engine.plan().arena_bytes);
   return out;
 }
@@ -166,6 +166,12 @@ std::vector<std::vector<int32_t>> rows_of(const std::vector<int32_t>& flat, int6
   return out;
 }
 
+struct GoldenRun {
+  double loss;
+  std::vector<std::string> keys;          // PEFT keys of the LoRA tensors, in order
+  std::vector<std::vector<float>> grads;  // their grads after one step
+};
+
 TEST_F(CudaStepTest, GoldenLossAndGradsInFp32AndBf16) {
   for (const char* fixture : {"gqa_rope", "gqa_rope_rslora", "tied_odd"}) {
     for (Precision precision : {Precision::fp32, Precision::bf16}) {
@@ -186,26 +192,44 @@ TEST_F(CudaStepTest, GoldenLossAndGradsInFp32AndBf16) {
         run.lora_r = adapter["r"];
         run.lora_alpha = adapter["lora_alpha"];
         run.use_rslora = adapter.value("use_rslora", false);
-        PlannedEngine engine(gpu(), run, model);
-        engine->load_base_checkpoint(dir / "model.safetensors");
-        engine->load_adapter(dir / "adapter");
         const HostMicroBatch batch = make_micro_batch(rows_of(values_of<int32_t>(ids), rows, seq),
                                                       rows_of(values_of<int32_t>(batch_file.get("labels")), rows, seq), seq);
         const float hf_loss = values_of<float>(forward.get("loss"))[0];
-        const auto [loss_sum, count] = engine->eval_loss_sum(batch);
-        // fp32: the GPU sums in another order than torch's CPU; bf16: weights and activations are
-        // rounded to 8 mantissa bits, so the loss moves by about a percent.
-        const double loss_tolerance = precision == Precision::fp32 ? 1e-5 : 1e-2;
-        const double grad_tolerance = precision == Precision::fp32 ? 1e-3 : 6e-2;
-        EXPECT_NEAR(loss_sum / count, hf_loss, loss_tolerance * hf_loss);
-        engine->train_step({batch});
-        const LoraState& lora = engine->lora();
-        for (size_t i = 0; i < lora.specs().size(); ++i) {
-          const LoraSpec& spec = lora.specs()[i];
-          expect_close(spec.a_key, host_floats(gpu(), lora.tensors()[i].grad_a),
-                       values_of<float>(forward.get(spec.a_key)), grad_tolerance);
-          expect_close(spec.b_key, host_floats(gpu(), lora.tensors()[i].grad_b),
-                       values_of<float>(forward.get(spec.b_key)), grad_tolerance);
+        // The same run on both backends: loss and every LoRA grad after one step.
+        auto run_on = [&](Backend& backend) {
+          PlannedEngine engine(backend, run, model);
+          engine->load_base_checkpoint(dir / "model.safetensors");
+          engine->load_adapter(dir / "adapter");
+          const auto [loss_sum, count] = engine->eval_loss_sum(batch);
+          engine->train_step({batch});
+          GoldenRun out{loss_sum / count, {}, {}};
+          const LoraState& lora = engine->lora();
+          for (size_t i = 0; i < lora.specs().size(); ++i) {
+            out.keys.push_back(lora.specs()[i].a_key);
+            out.grads.push_back(host_floats(backend, lora.tensors()[i].grad_a));
+            out.keys.push_back(lora.specs()[i].b_key);
+            out.grads.push_back(host_floats(backend, lora.tensors()[i].grad_b));
+          }
+          return out;
+        };
+        const GoldenRun on_gpu = run_on(gpu());
+        ASSERT_FALSE(on_gpu.keys.empty());
+        if (precision == Precision::fp32) {
+          // The GPU sums in another order than torch's CPU: fp32 rounding only.
+          EXPECT_NEAR(on_gpu.loss, hf_loss, 1e-5 * hf_loss);
+          for (size_t i = 0; i < on_gpu.keys.size(); ++i)
+            expect_close(on_gpu.keys[i], on_gpu.grads[i], values_of<float>(forward.get(on_gpu.keys[i])), 1e-3);
+          continue;
+        }
+        // bf16: weights and activations carry 8 mantissa bits, so the distance from HF's fp32
+        // is set by the precision, not by the backend. The GPU must be as close to HF as the CPU
+        // reference backend with the same bf16 storage is (within 1.5x, or 1e-2 absolute).
+        const GoldenRun on_cpu = run_on(cpu());
+        EXPECT_LE(std::abs(on_gpu.loss - hf_loss), std::max(1e-3 * hf_loss, 1.5 * std::abs(on_cpu.loss - hf_loss)));
+        for (size_t i = 0; i < on_gpu.keys.size(); ++i) {
+          const std::vector<float> hf = values_of<float>(forward.get(on_gpu.keys[i]));
+          const double cpu_error = optest::norm_rel_error(on_cpu.grads[i], optest::to_double(hf));
+          expect_close(on_gpu.keys[i], on_gpu.grads[i], hf, std::max(1e-2, 1.5 * cpu_error));
         }
       }
     }
