@@ -34,7 +34,9 @@ stamp() { echo "== $1 ($(date -u +%H:%M:%S))"; }
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv \
   > "$WORK/device.txt" 2>&1
 cat "$WORK/device.txt"
-(cd "$ROOT" && git rev-parse --short HEAD 2>/dev/null) > "$WORK/commit.txt" || true
+# The commit the binaries were built from (scripts/prepare-devbin.sh writes it beside them).
+if [ -f "$BIN_DIR/COMMIT" ]; then export MEMTUNE_COMMIT=$(cat "$BIN_DIR/COMMIT"); fi
+echo "${MEMTUNE_COMMIT:-unknown}" > "$WORK/commit.txt"; echo "binaries from commit ${MEMTUNE_COMMIT:-unknown}"
 
 # The ladder's shape, shared with the peer so that both run the same configuration.
 MODEL_ARGS="--model llama-3.1-8b --batch 2 --accum ${LADDER_ACCUM:-2} --seq 2048 --lora_r 16 --lora_alpha 16 --lora_target_modules all-linear"

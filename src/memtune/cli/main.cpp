@@ -23,6 +23,12 @@
 #include "memtune/report/sweep.h"
 #include "memtune/train/engine_arena.h"
 #include "memtune/train/yaml_config.h"
+// merge, generate, logits
+#include "memtune/data/chat_template.h"
+#include "memtune/io/safetensors.h"
+#include "memtune/model/merge.h"
+#include "memtune/quant/bnb_format.h"
+#include "memtune/step/llama_generate.h"
 
 
 namespace memtune {
@@ -35,7 +41,11 @@ std::string today() {
   return buffer;
 }
 
+// The commit the binary reports in its outputs: MEMTUNE_COMMIT when set (a binary built on one
+// machine and run on another, whose checkout may not be the one it was built from), else git's.
 std::string git_commit() {
+  if (const char* from_env = std::getenv("MEMTUNE_COMMIT"); from_env != nullptr && *from_env != 0)
+    return from_env;
   std::FILE* pipe = popen("git rev-parse --short HEAD 2>/dev/null", "r");
   if (pipe == nullptr) return "unknown";
   char buffer[64] = {0};
@@ -72,6 +82,163 @@ void check_budget(const Plan& plan, const RunConfig& run, const LlamaConfig& mod
   if (plan.arena_bytes <= budget) return;
   mt_fail("run does not fit --vram {}: {}", vram, fit_advice(run, model, budget, 0));
 }
+
+// ---- merge, generate, logits: what a trained adapter is for --------------------------------------
+struct OutputCommandOptions {
+  std::string model = "tiny", adapter, out, dtype = "auto", max_shard_size = "5GB";
+  std::string prompt, input_ids, system, tokenizer, device = "auto";
+  bool chat = false, json = false, load_in_4bit = false;
+  int64_t max_new_tokens = 128;
+  double temperature = 0.0, top_p = 1.0;
+  uint64_t seed = 42;
+};
+
+// "1,2,3", "1 2 3" or "[1, 2, 3]".
+std::vector<int32_t> parse_token_ids(const std::string& text) {
+  std::vector<int32_t> ids;
+  std::string digits;
+  const auto flush = [&] {
+    if (digits.empty()) return;
+    const long long value = std::stoll(digits);
+    MT_USER_CHECK(value >= 0 && value <= INT32_MAX, "--input-ids: {} is not a token id", digits);
+    ids.push_back(static_cast<int32_t>(value));
+    digits.clear();
+  };
+  for (char c : text) {
+    if (c >= '0' && c <= '9') digits += c;
+    else if (c == ',' || c == ' ' || c == '[' || c == ']' || c == '\n' || c == '\t') flush();
+    else mt_fail("--input-ids: unexpected '{}' in \"{}\" (expected ids such as 1,2,3)", c, text);
+  }
+  flush();
+  return ids;
+}
+
+// --tokenizer, else the model folder's tokenizer.json, else the built-in byte tokenizer.
+Tokenizer output_tokenizer(const OutputCommandOptions& o, const ModelSource& source) {
+  if (!o.tokenizer.empty()) return Tokenizer::from_file(o.tokenizer);
+  if (!source.checkpoint_dir.empty() && std::filesystem::is_regular_file(source.checkpoint_dir / "tokenizer.json"))
+    return Tokenizer::from_file(source.checkpoint_dir / "tokenizer.json");
+  return Tokenizer::byte_level();
+}
+
+// --input-ids as given; else the prompt, as transformers' tokenizer(prompt) encodes it (with
+// <|begin_of_text|>) or, with --chat, the Llama 3 chat template with the generation prompt.
+std::vector<int32_t> output_prompt_ids(const OutputCommandOptions& o, const Tokenizer& tokenizer) {
+  MT_USER_CHECK(o.prompt.empty() != o.input_ids.empty(), "give exactly one of --prompt and --input-ids");
+  if (!o.input_ids.empty()) return parse_token_ids(o.input_ids);
+  if (!o.chat) return tokenizer.encode(o.prompt);
+  std::vector<ChatMessage> messages;
+  if (!o.system.empty()) messages.push_back({"system", o.system});
+  messages.push_back({"user", o.prompt});
+  return tokenizer.encode_plain(apply_llama3_chat_template(messages, /*add_generation_prompt=*/true));
+}
+
+// --dtype, else the config's torch_dtype / dtype (as transformers' dtype="auto"), else f32.
+DType output_compute_dtype(const OutputCommandOptions& o, const LlamaConfig& config) {
+  if (o.dtype != "auto") return parse_float_dtype(o.dtype, "--dtype");
+  DType dtype = DType::f32;
+  if (dtype_from_torch_name(config.torch_dtype, &dtype) && dtype_is_float(dtype)) return dtype;
+  return DType::f32;
+}
+
+InferenceSetup output_inference_setup(const OutputCommandOptions& o, const ModelSource& source) {
+  InferenceSetup setup;
+  setup.checkpoint_dir = source.checkpoint_dir;
+  setup.adapter_dir = o.adapter;
+  setup.compute_dtype = output_compute_dtype(o, source.config);
+  if (o.load_in_4bit) setup.load_in_4bit = QuantConfig{};  // nf4, blocksize 64, double quant
+  setup.seed = o.seed;
+  return setup;
+}
+
+// Decoded text, with ids that the tokenizer does not know (a model vocabulary larger than the
+// tokenizer's, as the toy models have) shown as <id>.
+std::string output_text(const Tokenizer& tokenizer, std::span<const int32_t> ids) {
+  std::string text;
+  std::vector<int32_t> known;
+  const auto flush = [&] {
+    text += tokenizer.decode(known, /*skip_special_tokens=*/true);
+    known.clear();
+  };
+  for (int32_t id : ids) {
+    if (id < tokenizer.vocab_size()) {
+      known.push_back(id);
+    } else {
+      flush();
+      text += fmt::format("<{}>", id);
+    }
+  }
+  flush();
+  return text;
+}
+
+int run_merge(const OutputCommandOptions& o) {
+  MergeOptions options;
+  if (o.dtype != "auto") options.dtype = parse_float_dtype(o.dtype, "--dtype");
+  options.max_shard_bytes = parse_bytes(o.max_shard_size);
+  MT_USER_CHECK(options.max_shard_bytes > 0, "--max_shard_size must be positive");
+  const MergeReport report = merge_adapter(o.model, o.adapter, o.out, options);
+  std::cout << fmt::format("wrote {}: {} merged projections, {}, {} weight file(s){}\n", o.out,
+                           report.merged_projections, torch_dtype_name(report.dtype), report.weight_files.size(),
+                           report.dequantized_4bit ? "; the 4-bit base was dequantized" : "");
+  return 0;
+}
+
+int run_generate(const OutputCommandOptions& o) {
+  const ModelSource source = resolve_model(o.model);
+  const Tokenizer tokenizer = output_tokenizer(o, source);
+  const std::vector<int32_t> prompt = output_prompt_ids(o, tokenizer);
+  MT_USER_CHECK(!prompt.empty(), "the prompt encodes to no tokens");
+  MT_USER_CHECK(o.max_new_tokens > 0, "--max_new_tokens must be positive");
+  std::unique_ptr<Backend> backend = make_backend(o.device);
+  InferenceSetup setup = output_inference_setup(o, source);
+  setup.generator.capacity = static_cast<int64_t>(prompt.size()) + o.max_new_tokens;
+  // Longer prompts are prefilled in chunks (the later ones through the decode path).
+  setup.generator.max_chunk = std::min<int64_t>(static_cast<int64_t>(prompt.size()), 4096);
+  InferenceModel model(*backend, source.config, setup);
+  SamplingOptions sampling;
+  sampling.max_new_tokens = o.max_new_tokens;
+  sampling.temperature = o.temperature;
+  sampling.top_p = o.top_p;
+  sampling.seed = o.seed;
+  sampling.stop_ids = stop_token_ids(source.config, source.checkpoint_dir);
+  // A chat turn ends with <|eot_id|> (Llama 3 Instruct's generation_config lists it too).
+  if (o.chat && tokenizer.eot_id() < source.config.vocab_size) sampling.stop_ids.push_back(tokenizer.eot_id());
+  const GenerationResult result = generate_tokens(model.generator(), prompt, sampling, [&](int32_t token) {
+    if (o.json) return;
+    std::cout << output_text(tokenizer, std::span<const int32_t>(&token, 1)) << std::flush;
+  });
+  if (o.json) {
+    const nlohmann::json line = {{"prompt_ids", prompt}, {"output_ids", result.tokens},
+                                 {"text", output_text(tokenizer, result.tokens)}, {"stop_reason", result.stop_reason}};
+    // A token may end inside a UTF-8 character: such bytes are written as U+FFFD.
+    std::cout << line.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
+  } else {
+    std::cout << "\n";
+  }
+  return 0;
+}
+
+int run_logits(const OutputCommandOptions& o) {
+  const ModelSource source = resolve_model(o.model);
+  const Tokenizer tokenizer = output_tokenizer(o, source);
+  const std::vector<int32_t> ids = output_prompt_ids(o, tokenizer);
+  MT_USER_CHECK(!ids.empty(), "no input tokens");
+  std::unique_ptr<Backend> backend = make_backend(o.device);
+  InferenceSetup setup = output_inference_setup(o, source);
+  setup.generator.capacity = setup.generator.max_chunk = static_cast<int64_t>(ids.size());
+  setup.generator.all_logits = true;
+  InferenceModel model(*backend, source.config, setup);
+  const std::vector<float> logits = model.generator().forward(ids, /*all_positions=*/true);
+  const int64_t tokens = static_cast<int64_t>(ids.size());
+  const std::vector<SafetensorsWriteEntry> entries = {
+      {"logits", DType::f32, Shape{tokens, source.config.vocab_size}, logits.data()},
+      {"input_ids", DType::i32, Shape{tokens}, ids.data()}};
+  write_safetensors(o.out, entries, {{"format", "pt"}});
+  std::cout << nlohmann::json{{"out", o.out}, {"tokens", tokens}, {"vocab", source.config.vocab_size}}.dump() << "\n";
+  return 0;
+}
+// ---- end merge, generate, logits ----
 
 int run_cli(int argc, char** argv) {
   CLI::App app{"memtune: LoRA/QLoRA fine-tuning for Llama that plans every byte"};
@@ -154,6 +321,36 @@ int run_cli(int argc, char** argv) {
   report_cmd->add_option("--peer", peer_path, "peer.json from bench/peer_hf.py: attached (replacing any peer already there)");
   report_cmd->add_option("--out", out_dir, "output folder (default: the ladder.json's folder)");
 
+  // ---- merge, generate, logits (their own options: no run flags) ----
+  OutputCommandOptions output;
+  CLI::App* merge_cmd = app.add_subcommand("merge", "merge a PEFT adapter into its base: a Hugging Face model folder");
+  merge_cmd->add_option("--model", output.model, "base model folder (config.json + safetensors; 16-bit, or bitsandbytes 4-bit: dequantized)")->required();
+  merge_cmd->add_option("--adapter", output.adapter, "PEFT adapter folder")->required();
+  merge_cmd->add_option("--out", output.out, "output folder, written atomically (an existing one is replaced only on success)")->required();
+  merge_cmd->add_option("--dtype", output.dtype, "bf16 | f16 | f32 (default: the base's dtype)");
+  merge_cmd->add_option("--max_shard_size", output.max_shard_size, "shard limit as transformers' save_pretrained (GB = 10^9)")->capture_default_str();
+  CLI::App* generate_cmd = app.add_subcommand("generate", "generate text with a KV cache (base model, optionally with a PEFT adapter)");
+  CLI::App* logits_cmd = app.add_subcommand("logits", "write the logits of every position of one sequence to a .safetensors file");
+  for (CLI::App* command : {generate_cmd, logits_cmd}) {
+    command->add_option("--model", output.model, "preset, or a folder with config.json + safetensors")->capture_default_str();
+    command->add_option("--adapter", output.adapter, "PEFT adapter folder (applied unmerged)");
+    command->add_option("--prompt", output.prompt, "text; encoded with <|begin_of_text|> as transformers' tokenizer(prompt)");
+    command->add_option("--input-ids,--input_ids", output.input_ids, "token ids instead of --prompt: 1,2,3");
+    command->add_flag("--chat", output.chat, "wrap --prompt in the Llama 3 chat template (add_generation_prompt)");
+    command->add_option("--system", output.system, "system message for --chat");
+    command->add_option("--tokenizer", output.tokenizer, "tokenizer.json (default: the model folder's, else the built-in byte tokenizer)");
+    command->add_option("--device", output.device, "cpu | cuda | auto")->capture_default_str();
+    command->add_option("--dtype", output.dtype, "bf16 | f16 | f32 | auto (the config's dtype)")->capture_default_str();
+    command->add_flag("--load_in_4bit", output.load_in_4bit, "keep the projections in nf4 (double quant), as QLoRA training does");
+    command->add_option("--seed", output.seed, "sampling seed, and the random init of a preset without weights (as train --seed)")->capture_default_str();
+  }
+  generate_cmd->add_option("--max_new_tokens", output.max_new_tokens)->capture_default_str();
+  generate_cmd->add_option("--temperature", output.temperature, "0: greedy")->capture_default_str();
+  generate_cmd->add_option("--top_p", output.top_p, "nucleus sampling (with --temperature > 0)")->capture_default_str();
+  generate_cmd->add_flag("--json", output.json, "print one JSON object (prompt_ids, output_ids, text, stop_reason) instead of the text");
+  logits_cmd->add_option("--out", output.out, "output .safetensors: logits f32 [tokens, vocab], input_ids i32 [tokens]")->required();
+  // ---- end merge, generate, logits ----
+
   // A run YAML (--config FILE) sets defaults that the flags then override.
   for (int i = 1; i + 1 < argc; ++i)
     if (std::string(argv[i]) == "--config") apply_run_yaml(argv[i + 1], run);
@@ -177,6 +374,12 @@ int run_cli(int argc, char** argv) {
     std::cout << "wrote " << out.string() << "\n";
     return 0;
   }
+
+  // ---- merge, generate, logits ----
+  if (merge_cmd->parsed()) return run_merge(output);
+  if (generate_cmd->parsed()) return run_generate(output);
+  if (logits_cmd->parsed()) return run_logits(output);
+  // ---- end merge, generate, logits ----
 
   resolve_run_flags(run, flags);
   const ModelSource source = resolve_model(run.model);

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Builds for the device (sm_90 only, to keep the carry small) and gathers what a device call
+# carries into .devbin/: memtune, memtune_gpu_tests, the bench binaries, a libgomp (the device's
+# distro may lack it) and COMMIT, the commit the binaries were built from ("-dirty" when the
+# tree had uncommitted changes). Then: run scripts/device-check.sh .devbin on the device.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PATH=/usr/local/cuda/bin:$PATH
+cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DMEMTUNE_CUDA_ARCHS=90 >/dev/null
+cmake --build build -j "$(nproc)"
+rm -rf .devbin && mkdir -p .devbin
+cp build/memtune build/memtune_gpu_tests .devbin/
+for b in build/bench_*; do [ -x "$b" ] && cp "$b" .devbin/; done
+cp "$(g++ -print-file-name=libgomp.so.1)" .devbin/
+git describe --always --dirty > .devbin/COMMIT
+du -sh .devbin; cat .devbin/COMMIT
