@@ -469,3 +469,187 @@ TEST(CliErrors, SweepAndReportOptions) {
 }
 
 }  // namespace
+
+// Real fine-tuning data: the three TRL forms, packing, eval, epochs, signals and failed saves.
+namespace {
+
+Result shell(const std::string& script) {
+  std::FILE* pipe = popen(("(" + script + ") 2>&1").c_str(), "r");
+  std::string output;
+  std::array<char, 4096> buffer;
+  size_t n;
+  while ((n = std::fread(buffer.data(), 1, buffer.size(), pipe)) > 0) output.append(buffer.data(), n);
+  const int status = pclose(pipe);
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, output};
+}
+
+std::string memtune_binary() { return std::string(MEMTUNE_BINARY_DIR) + "/memtune"; }
+
+std::string write_lines(const fs::path& file, const std::vector<std::string>& lines) {
+  std::ofstream out(file, std::ios::binary);
+  for (const std::string& line : lines) out << line << "\n";
+  return file.string();
+}
+
+std::vector<nlohmann::json> events_of(const std::vector<nlohmann::json>& records, const std::string& event) {
+  std::vector<nlohmann::json> out;
+  for (const nlohmann::json& r : records)
+    if (r["event"] == event) out.push_back(r);
+  return out;
+}
+
+std::string sft_text_file(const fs::path& dir) {
+  return write_lines(dir / "text.jsonl", {R"({"text": "The quick brown fox jumps over the lazy dog again."})",
+                                          R"({"text": "short one"})", R"({"text": "another line of text"})",
+                                          R"({"text": "four"})", R"({"text": "five is here"})", R"({"text": "six"})",
+                                          R"({"text": "seven"})", R"({"text": "eight lines"})"});
+}
+
+TEST(CliTrain, EachSftFormTrainsPackedWithAnEvalSplitAndReportsItsData) {
+  const fs::path dir = temp_dir("train_sft_forms");
+  const std::string text = sft_text_file(dir);
+  const std::string prompt_completion = write_lines(
+      dir / "pc.jsonl", {R"({"prompt": "2+2=", "completion": " 4"})", R"({"prompt": "3+1=", "completion": " 4"})",
+                         R"({"prompt": "1+1=", "completion": " 2"})", R"({"prompt": "5+1=", "completion": " 6"})"});
+  const std::string chat = write_lines(
+      dir / "chat.jsonl",
+      {R"({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]})",
+       R"({"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Sky?"}, {"role": "assistant", "content": "Blue."}]})",
+       R"({"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]})",
+       R"({"messages": [{"role": "user", "content": "Bye"}, {"role": "assistant", "content": "Bye."}]})"});
+  for (const auto& [file, format] : {std::pair{text, "text"}, std::pair{prompt_completion, "prompt-completion"},
+                                     std::pair{chat, "messages"}}) {
+    const fs::path metrics = dir / (std::string(format) + ".metrics.jsonl");
+    const Result r = memtune_cli("train --device cpu --seq 64 --batch 2 --max_steps 3 --quiet --packing --eval_split 0.25 "
+                                 "--eval_steps 2 --metrics " + metrics.string() + " --data " + file);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("data: " + file + ": "), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("packed into"), std::string::npos) << r.output;
+    const std::vector<nlohmann::json> records = read_jsonl(metrics);
+    const std::vector<nlohmann::json> data = events_of(records, "data");
+    ASSERT_EQ(data.size(), 2u) << format;
+    EXPECT_EQ(data[0]["split"], "train");
+    EXPECT_EQ(data[0]["format"], format);
+    EXPECT_EQ(data[0]["packing"], true);
+    EXPECT_EQ(data[1]["split"], "eval");
+    EXPECT_EQ(data[0]["samples"].get<int>() + data[1]["samples"].get<int>(), format == std::string("text") ? 8 : 4);
+    const std::vector<nlohmann::json> evals = events_of(records, "eval");
+    ASSERT_EQ(evals.size(), 2u) << format;  // at step 2 and at the end
+    EXPECT_EQ(evals[0]["step"], 2);
+    EXPECT_EQ(evals[1]["step"], 3);
+    EXPECT_GT(evals[1]["eval_loss"].get<double>(), 0.0);
+    EXPECT_EQ(events_of(records, "step").size(), 3u);
+  }
+  // The long first text line: BOS + 50 bytes + EOS = 52 tokens, cut to 32.
+  const Result truncated = memtune_cli("train --device cpu --seq 32 --batch 2 --max_steps 1 --quiet --data " + text);
+  ASSERT_EQ(truncated.exit_code, 0) << truncated.output;
+  EXPECT_NE(truncated.output.find("1 truncated to max_seq_length 32 (20 tokens dropped)"), std::string::npos)
+      << truncated.output;
+  // --num_train_epochs: 8 rows in micro-batches of 2 are 4 steps an epoch.
+  const fs::path epochs = dir / "epochs.jsonl";
+  const Result two_epochs = memtune_cli("train --device cpu --seq 32 --batch 2 --num_train_epochs 2 --quiet --metrics " +
+                                        epochs.string() + " --data " + text);
+  ASSERT_EQ(two_epochs.exit_code, 0) << two_epochs.output;
+  const std::vector<nlohmann::json> steps = events_of(read_jsonl(epochs), "step");
+  ASSERT_EQ(steps.size(), 8u);
+  EXPECT_EQ(steps[3]["epoch"], 1);
+  EXPECT_EQ(steps[7]["epoch"], 2);
+}
+
+TEST(CliErrors, BadTrainingDataGetsAClearMessageAndNonZeroExit) {
+  const fs::path dir = temp_dir("train_data_errors");
+  const std::string text = sft_text_file(dir);
+  const std::string mixed = write_lines(dir / "mixed.jsonl", {R"({"text": "a"})", R"({"prompt": "a", "completion": "b"})"});
+  const std::string utf8 = write_lines(dir / "utf8.jsonl", {"{\"text\": \"caf\xC3\"}"});
+  const std::string masked = write_lines(dir / "masked.jsonl", {R"({"messages": [{"role": "user", "content": "hi"}]})"});
+  const std::string some_bad = write_lines(dir / "some_bad.jsonl", {R"({"text": "good"})", "{oops", R"({"text": "fine"})"});
+  nlohmann::json config = nlohmann::json::parse(std::ifstream(fs::path(MEMTUNE_SOURCE_DIR) / "configs/models/tiny.json"));
+  config["vocab_size"] = 200;
+  config["bos_token_id"] = 1;
+  config["eos_token_id"] = 2;
+  fs::create_directories(dir / "small_vocab");
+  std::ofstream(dir / "small_vocab/config.json") << config.dump(2);
+  const struct {
+    std::string args, expected;
+  } cases[] = {
+      {"--data " + mixed, "mixed.jsonl:2: a {\"prompt\", \"completion\"} line, but line 1 made this a {\"text\"} dataset"},
+      {"--on-bad-line skip --data " + mixed, "one file holds one form"},
+      {"--data " + utf8, "utf8.jsonl:1: invalid UTF-8"},
+      {"--data " + masked, "has all its labels masked"},
+      {"--data " + some_bad, "some_bad.jsonl:2: not valid JSON"},
+      {"--model " + (dir / "small_vocab").string() + " --data " + text, "but the model's vocab_size is 200"},
+      {"--data " + text + " --eval_data " + text + " --eval_split 0.1", "--eval_data and --eval_split exclude each other"},
+      {"--eval_split 0.1", "--eval_split splits --data"},
+      {"--data " + text + " --eval_split 1.5", "--eval_split 1.5"},
+      {"--data " + (dir / "absent.jsonl").string(), "absent.jsonl: No such file or directory"},
+  };
+  for (const auto& c : cases) {
+    const Result r = memtune_cli("train --device cpu --max_steps 1 --seq 16 --quiet " + c.args);
+    EXPECT_NE(r.exit_code, 0) << c.args << "\n" << r.output;
+    EXPECT_NE(r.output.find(c.expected), std::string::npos) << c.args << "\n" << r.output;
+  }
+  const Result skipped = memtune_cli("train --device cpu --max_steps 1 --seq 16 --quiet --on-bad-line skip --data " + some_bad);
+  EXPECT_EQ(skipped.exit_code, 0) << skipped.output;
+  EXPECT_NE(skipped.output.find("1 bad line skipped (first: " + some_bad + ":2"), std::string::npos) << skipped.output;
+}
+
+TEST(CliTrain, SigtermStopsAfterTheStepWithACheckpointAndResumeMatchesAStraightRun) {
+  const fs::path dir = temp_dir("train_sigterm");
+  const std::string data = sft_text_file(dir);
+  const std::string common = memtune_binary() + " train --device cpu --seq 16 --batch 2 --lora_dropout 0.1 --quiet --data " + data;
+  const fs::path out = dir / "out", metrics = dir / "m.jsonl";
+  // Far more steps than it gets to run: it is stopped as soon as its first step is logged.
+  const Result stopped = shell(common + " --max_steps 1000000 --out " + out.string() + " --metrics " + metrics.string() +
+                               " & pid=$!; i=0; while [ ! -s " + metrics.string() +
+                               " ] && [ $i -lt 1200 ]; do sleep 0.05; i=$((i+1)); done; kill -TERM $pid; wait $pid; "
+                               "echo \"exit=$?\"");
+  ASSERT_NE(stopped.output.find("exit=143"), std::string::npos) << stopped.output;
+  EXPECT_NE(stopped.output.find("SIGTERM after step"), std::string::npos) << stopped.output;
+  const nlohmann::json state = nlohmann::json::parse(std::ifstream(out / "checkpoint/trainer_state.json"));
+  const int64_t k = state["step"].get<int64_t>();
+  const std::vector<nlohmann::json> steps = events_of(read_jsonl(metrics), "step");
+  ASSERT_GE(k, 1);
+  EXPECT_EQ(static_cast<int64_t>(steps.size()), k) << "the checkpoint holds the last finished step";
+  for (const char* key : {"epoch", "index", "shuffle_seed", "rows_per_epoch", "data_fingerprint"})
+    EXPECT_TRUE(state["data_position"].contains(key)) << key;
+  EXPECT_FALSE(fs::exists(dir / "out/checkpoint.partial"));
+
+  const fs::path resumed_metrics = dir / "resumed.jsonl";
+  const Result resumed = shell(fmt::format("{} --max_steps {} --resume {} --out {} --metrics {}", common, k + 2,
+                                           (out / "checkpoint").string(), out.string(), resumed_metrics.string()));
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  const std::vector<nlohmann::json> resumed_steps = events_of(read_jsonl(resumed_metrics), "step");
+  ASSERT_EQ(resumed_steps.size(), 2u);
+  EXPECT_EQ(resumed_steps[0]["step"], k + 1);
+  const Result straight = shell(fmt::format("{} --max_steps {} --out {}", common, k + 2, (dir / "straight").string()));
+  ASSERT_EQ(straight.exit_code, 0) << straight.output;
+  auto bytes_of = [](const fs::path& file) {
+    std::ifstream in(file, std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  };
+  const std::string adapter = bytes_of(out / "adapter/adapter_model.safetensors");
+  ASSERT_FALSE(adapter.empty());
+  EXPECT_EQ(adapter, bytes_of(dir / "straight/adapter/adapter_model.safetensors")) << "resume is not bit-identical";
+}
+
+TEST(CliTrain, AFailedCheckpointWriteExitsNonZeroAndKeepsThePreviousCheckpoint) {
+  const fs::path dir = temp_dir("train_write_fails");
+  const std::string data = sft_text_file(dir);
+  const std::string common = memtune_binary() + " train --device cpu --seq 16 --batch 2 --quiet --data " + data;
+  const fs::path out = dir / "out";
+  ASSERT_EQ(shell(common + " --max_steps 2 --out " + out.string()).exit_code, 0);
+  // A file-size limit (with SIGXFSZ ignored, so the write returns EFBIG) fails the next save
+  // partway through the adapter file, as a full disk would.
+  const Result r = shell("trap '' XFSZ; ulimit -f 64; " + common + " --max_steps 4 --save_steps 1 --resume " +
+                         (out / "checkpoint").string() + " --out " + out.string());
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("saving the checkpoint"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("File too large"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("the previous checkpoint there is unchanged"), std::string::npos) << r.output;
+  const nlohmann::json state = nlohmann::json::parse(std::ifstream(out / "checkpoint/trainer_state.json"));
+  EXPECT_EQ(state["step"], 2);
+  EXPECT_FALSE(fs::exists(out / "checkpoint.partial"));
+  EXPECT_EQ(shell(common + " --max_steps 3 --resume " + (out / "checkpoint").string()).exit_code, 0);
+}
+
+}  // namespace

@@ -11,6 +11,7 @@
 #include "memtune/cli/run_options.h"
 #include "memtune/core/bytes.h"
 #include "memtune/data/jsonl_dataset.h"
+#include "memtune/data/sft_dataset.h"
 #include "memtune/io/file_util.h"
 #include "memtune/io/json_util.h"
 #include "memtune/model/llama_config.h"
@@ -22,6 +23,7 @@
 #include "memtune/report/progress.h"
 #include "memtune/report/sweep.h"
 #include "memtune/train/engine_arena.h"
+#include "memtune/train/trainer.h"
 #include "memtune/train/yaml_config.h"
 // merge, generate, logits
 #include "memtune/data/chat_template.h"
@@ -54,22 +56,6 @@ std::string git_commit() {
   std::string commit = ok ? buffer : "unknown";
   while (!commit.empty() && (commit.back() == '\n' || commit.back() == '\r')) commit.pop_back();
   return commit;
-}
-
-// Groups samples into the micro-batches of one optimizer step, cycling through the data.
-std::vector<HostMicroBatch> step_batches(const Dataset& data, const RunConfig& run, int64_t step) {
-  std::vector<HostMicroBatch> batches;
-  const int64_t per_step = run.per_device_train_batch_size * run.gradient_accumulation_steps;
-  for (int64_t m = 0; m < run.gradient_accumulation_steps; ++m) {
-    std::vector<std::vector<int32_t>> ids, labels;
-    for (int64_t b = 0; b < run.per_device_train_batch_size; ++b) {
-      const Sample& s = data.samples[(step * per_step + m * run.per_device_train_batch_size + b) % data.samples.size()];
-      ids.push_back(s.input_ids);
-      labels.push_back(s.labels);
-    }
-    batches.push_back(make_micro_batch(ids, labels, run.max_seq_length));
-  }
-  return batches;
 }
 
 Tokenizer load_tokenizer(const std::string& path) {
@@ -258,13 +244,25 @@ int run_cli(int argc, char** argv) {
   CLI::App* plan_cmd = app.add_subcommand("plan", "print the memory plan of a run (no checkpoint, no GPU needed)");
   add_run_options(*plan_cmd, run, flags);
   plan_cmd->add_flag("--json", json, "print one JSON object");
+  bool live_at_peak = false;
+  plan_cmd->add_flag("--live-at-peak", live_at_peak, "also list the buffers alive at the peak, largest first");
   plan_cmd->add_option("--vram", vram, "budget, e.g. 24GiB: refuse, with advice, a plan over it");
 
+  // train's data and loop options, in TRL / transformers names (data/sft_dataset.h, train/trainer.h).
+  bool completion_only_loss = true, assistant_only_loss = true, packing = false;
+  double eval_split = 0, num_train_epochs = 0;
+  uint64_t data_seed = 0;
   CLI::App* train_cmd = app.add_subcommand("train", "train a LoRA adapter");
   add_run_options(*train_cmd, run, flags);
-  train_cmd->add_option("--data", data_path, "JSONL: {\"input_ids\",\"labels\"} or {\"text\"}; synthetic tokens when absent");
-  train_cmd->add_option("--eval_data", eval_path, "JSONL evaluated every --eval_steps");
-  train_cmd->add_option("--eval_steps", eval_steps, "evaluate every N steps");
+  train_cmd->add_option("--data", data_path, "JSONL of {\"text\"}, {\"prompt\",\"completion\"}, {\"messages\"} or {\"input_ids\",\"labels\"} lines; synthetic tokens when absent");
+  train_cmd->add_option("--eval_data", eval_path, "JSONL evaluated every --eval_steps and at the end");
+  train_cmd->add_option("--eval_split", eval_split, "evaluate on this seeded fraction of --data instead (datasets' test_size)");
+  train_cmd->add_option("--eval_steps", eval_steps, "evaluate every N steps (and always at the end)");
+  train_cmd->add_option("--completion_only_loss", completion_only_loss, "prompt-completion data: train on the completion only (TRL)")->capture_default_str();
+  train_cmd->add_option("--assistant_only_loss", assistant_only_loss, "messages data: train on the assistant turns only (TRL; TRL's default is false)")->capture_default_str();
+  train_cmd->add_flag("--packing", packing, "several whole samples per row, each attending only to itself (TRL, best-fit decreasing)");
+  train_cmd->add_option("--num_train_epochs", num_train_epochs, "epochs to train; --max_steps wins when both are given (transformers)");
+  train_cmd->add_option("--data_seed", data_seed, "seed of the epoch-wise shuffle (default: --seed)");
   train_cmd->add_option("--tokenizer", tokenizer_path, "tokenizer.json (default: the built-in byte tokenizer)");
   train_cmd->add_option("--out", out_dir, "output folder: adapter (PEFT format) and checkpoint");
   train_cmd->add_option("--init-adapter,--init_adapter", init_adapter, "start from a PEFT adapter folder");
@@ -272,7 +270,7 @@ int run_cli(int argc, char** argv) {
   train_cmd->add_option("--save_steps", save_steps, "write a checkpoint every N steps");
   train_cmd->add_option("--device", device, "cpu | cuda | auto")->capture_default_str();
   train_cmd->add_option("--vram", vram, "budget, e.g. 24GiB");
-  train_cmd->add_option("--on-bad-line", bad_line, "error | skip")->capture_default_str();
+  train_cmd->add_option("--on-bad-line,--on_bad_line", bad_line, "error | skip (skipped lines are counted and reported)")->capture_default_str();
   train_cmd->add_flag("--quiet", quiet, "no per-step lines and no progress line");
   train_cmd->add_option("--metrics", metrics_path, "append one JSON line per step to this .jsonl file");
 
@@ -389,6 +387,7 @@ int run_cli(int argc, char** argv) {
     const Plan plan = plan_run(run, model);
     if (json) std::cout << plan_json(plan, run, model).dump(2) << "\n";
     else std::cout << format_plan(plan, run, model);
+    if (live_at_peak && !json) std::cout << format_live_at_peak(plan);
     check_budget(plan, run, model, vram);
     return 0;
   }
@@ -495,10 +494,38 @@ int run_cli(int argc, char** argv) {
   }
 
   // train
-  const Dataset data = data_path.empty()
+  MT_USER_CHECK(eval_path.empty() || eval_split == 0, "--eval_data and --eval_split exclude each other");
+  MT_USER_CHECK(!data_path.empty() || eval_split == 0, "--eval_split splits --data, and no --data was given");
+  if (!tokenizer_path.empty()) check_tokenizer_fits_model(tokenizer, model.vocab_size);
+  DatasetOptions data_options;
+  data_options.on_bad_line = policy;
+  data_options.completion_only_loss = completion_only_loss;
+  data_options.assistant_only_loss = assistant_only_loss;
+  data_options.max_seq_length = run.max_seq_length;
+  if (!tokenizer_path.empty()) data_options.eos_id = eos_id_from_tokenizer_config(tokenizer_path, tokenizer);
+  const uint64_t shuffle_seed = train_cmd->count("--data_seed") > 0 ? data_seed : run.seed;
+  Dataset data = data_path.empty()
       ? synthetic_dataset(run.per_device_train_batch_size * run.gradient_accumulation_steps * std::max<int64_t>(1, run.max_steps), run.max_seq_length, model.vocab_size, run.seed)
-      : read_jsonl_dataset(data_path, tokenizer, model.vocab_size, policy);
-  const Dataset eval_data = eval_path.empty() ? Dataset{} : read_jsonl_dataset(eval_path, tokenizer, model.vocab_size, policy);
+      : read_dataset(data_path, tokenizer, model.vocab_size, data_options);
+  Dataset eval_data;
+  std::string eval_name = eval_path;
+  if (eval_split > 0) {
+    DatasetSplit split = split_dataset(data, eval_split, shuffle_seed);
+    data = std::move(split.train);
+    eval_data = std::move(split.eval);
+    eval_name = fmt::format("{} (eval split {})", data_path, eval_split);
+  } else if (!eval_path.empty()) {
+    eval_data = read_dataset(eval_path, tokenizer, model.vocab_size, data_options);
+  }
+  const bool has_eval = !eval_data.samples.empty();
+  // transformers: max_steps > 0 overrides num_train_epochs. A YAML run config may set it too.
+  const bool max_steps_given = train_cmd->count("--max_steps") > 0 || run.max_steps != RunConfig{}.max_steps;
+  if (num_train_epochs > 0 && !max_steps_given) {
+    run.max_steps = steps_for_epochs(num_train_epochs, static_cast<int64_t>(training_rows(data, run.max_seq_length, packing).size()),
+                                     run.per_device_train_batch_size, run.gradient_accumulation_steps);
+  } else if (num_train_epochs > 0) {
+    std::cerr << "memtune: note: --max_steps " << run.max_steps << " wins over --num_train_epochs\n";
+  }
   const Plan plan = plan_run(run, model);
   std::cerr << format_plan(plan, run, model);
   check_budget(plan, run, model, vram);
@@ -507,58 +534,21 @@ int run_cli(int argc, char** argv) {
   else engine->init_random_weights(run.seed);
   engine->init_adapters(run.seed + 1);
   if (!init_adapter.empty()) engine->load_adapter(init_adapter);
-  if (!resume.empty()) engine->load_checkpoint(resume);
-  const std::filesystem::path out = out_dir;
-  const std::string base_name = model.name.empty() ? run.model : model.name;
-  auto evaluate = [&]() {
-    double sum = 0;
-    int64_t count = 0;
-    for (const Sample& s : eval_data.samples) {
-      const auto [l, c] = engine->eval_loss_sum(make_micro_batch({s.input_ids}, {s.labels}, run.max_seq_length));
-      sum += l;
-      count += c;
-    }
-    return count > 0 ? sum / count : 0.0;
-  };
-  ProgressLine progress(stderr, !quiet);
-  MetricsLog metrics(metrics_path);
-  const int64_t first_step = engine->steps_done();
-  progress.start(static_cast<double>(run.max_steps - first_step));
-  for (int64_t step = first_step; step < run.max_steps; ++step) {
-    const auto start = std::chrono::steady_clock::now();
-    const StepReport report = engine->train_step(step_batches(data, run, step));
-    backend->synchronize();
-    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    MT_USER_CHECK(std::isfinite(report.loss) || run.precision == Precision::fp16,
-                  "step {}: the loss is {} — stopping; the last good checkpoint is kept", step + 1, report.loss);
-    nlohmann::json line = {{"step", step + 1}, {"loss", report.loss}, {"grad_norm", report.grad_norm},
-                           {"lr", report.learning_rate}, {"tokens_per_second", report.tokens / seconds},
-                           {"planned_peak_bytes", plan.arena_bytes},
-                           {"engine_peak_bytes", engine->memory().allocator().high_water()},
-                           {"skipped", report.skipped}};
-    if (!eval_data.samples.empty() && eval_steps > 0 && (step + 1) % eval_steps == 0) line["eval_loss"] = evaluate();
-    nlohmann::json record = {{"event", "step"}, {"command", "train"}, {"step", step + 1}, {"steps", run.max_steps},
-                              {"loss", line["loss"]}, {"step_seconds", seconds}, {"tokens", report.tokens},
-                              {"tokens_per_second", line["tokens_per_second"]}, {"lr", report.learning_rate},
-                              {"grad_norm", std::isfinite(report.grad_norm) ? nlohmann::json(report.grad_norm) : nlohmann::json()}};
-    if (run.precision == Precision::fp16) record["skipped"] = report.skipped;
-    if (line.contains("eval_loss")) record["eval_loss"] = line["eval_loss"];
-    metrics.write(std::move(record));
-    progress.clear();  // the step's line goes to stdout; the progress line is redrawn below it
-    if (!quiet) std::cout << line.dump() << std::endl;
-    progress.set_work_done(static_cast<double>(step + 1 - first_step));
-    progress.update(fmt::format("train step {}/{}  loss {:.4f}  {:.2f} s/step", step + 1, run.max_steps, report.loss,
-                                seconds));
-    if (!out_dir.empty() && save_steps > 0 && (step + 1) % save_steps == 0)
-      engine->save_checkpoint(out / "checkpoint", base_name);
-  }
-  progress.clear();
-  if (!out_dir.empty()) {
-    engine->save_adapter(out / "adapter", base_name);
-    engine->save_checkpoint(out / "checkpoint", base_name);
-    std::cerr << "wrote " << (out / "adapter").string() << " (PEFT format) and " << (out / "checkpoint").string() << "\n";
-  }
-  return 0;
+  TrainerOptions options;
+  options.packing = packing;
+  options.data_seed = shuffle_seed;
+  options.save_steps = save_steps;
+  options.eval_steps = eval_steps;
+  options.out_dir = out_dir;
+  options.resume_from = resume;
+  options.base_model_name = model.name.empty() ? run.model : model.name;
+  options.train_data_name = data_path;
+  options.eval_data_name = eval_name;
+  options.metrics_path = metrics_path;
+  options.planned_peak_bytes = plan.arena_bytes;
+  options.quiet = quiet;
+  Trainer trainer(engine.engine(), data, has_eval ? &eval_data : nullptr, options, std::cout, std::cerr);
+  return trainer.run().exit_code;
 }
 
 }  // namespace

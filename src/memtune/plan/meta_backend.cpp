@@ -41,10 +41,12 @@ class MetaBackend final : public Backend {
                                 const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                                 const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                                 const AttentionDims&) override {}
+  void attention_decode(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                        const AttentionDims&) override {}
   void cross_entropy_forward_backward(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                                       float) override {}
   void cross_entropy_forward(const Tensor&, const Tensor&, const Tensor&) override {}
-  void dropout(const Tensor&, const Tensor&, float, uint64_t) override {}
+  void dropout(const Tensor&, const Tensor&, float, uint64_t, uint64_t) override {}
   void sum_squares(const Tensor&, const Tensor&) override {}
   void adamw_step(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                   const AdamWParams&) override {}

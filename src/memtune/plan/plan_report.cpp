@@ -94,4 +94,32 @@ std::string fit_advice(const RunConfig& run, const LlamaConfig& model, uint64_t 
   return out;
 }
 
+std::string format_live_at_peak(const Plan& plan, size_t max_rows) {
+  // The first allocation that reaches the high water fixes the moment of the peak.
+  const AllocationRecord* peak = nullptr;
+  for (const AllocationRecord& r : plan.records)
+    if (r.offset + r.bytes == plan.arena_bytes) {
+      peak = &r;
+      break;
+    }
+  if (peak == nullptr) return "no allocation reaches the arena's peak\n";
+  const int64_t moment = peak->allocated_at;
+  std::vector<const AllocationRecord*> live;
+  uint64_t live_bytes = 0;
+  for (const AllocationRecord& r : plan.records)
+    if (r.allocated_at <= moment && (r.freed_at < 0 || r.freed_at > moment)) {
+      live.push_back(&r);
+      live_bytes += r.bytes;
+    }
+  std::stable_sort(live.begin(), live.end(),
+                   [](const AllocationRecord* a, const AllocationRecord* b) { return a->bytes > b->bytes; });
+  std::string out = fmt::format("live at the peak (when '{}' is allocated, event {}): {} buffers, {}\n",
+                                peak->name, moment, live.size(), format_bytes(live_bytes));
+  for (size_t i = 0; i < live.size() && i < max_rows; ++i)
+    out += fmt::format("  {:>12}  {:<22} {}\n", format_bytes(live[i]->bytes), category_name(live[i]->category),
+                       live[i]->name);
+  if (live.size() > max_rows) out += fmt::format("  ... {} more\n", live.size() - max_rows);
+  return out;
+}
+
 }  // namespace memtune

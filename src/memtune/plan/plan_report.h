@@ -12,6 +12,9 @@ std::string format_plan(const Plan& plan, const RunConfig& run, const LlamaConfi
 // {"categories": {name: bytes at the peak}, "max_by_category": {...}, "peak_bytes": arena,
 //  "peak_live_bytes", "trainable_parameters", "frozen_parameters", "planning_seconds", "run"}
 nlohmann::json plan_json(const Plan& plan, const RunConfig& run, const LlamaConfig& model);
+// The buffers alive when the arena reaches its peak (the allocation whose end is the arena's
+// high water), largest first: where to look when a run must shrink. At most max_rows rows.
+std::string format_live_at_peak(const Plan& plan, size_t max_rows = 40);
 nlohmann::json run_config_json(const RunConfig& run, const LlamaConfig& model);
 
 // Advice for a run whose plan exceeds the budget: what each single change would give.

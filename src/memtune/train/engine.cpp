@@ -94,6 +94,7 @@ void Engine::save_adapter(const std::filesystem::path& dir, const std::string& b
       entries.push_back({key, DType::f32, tensor.shape, host.back().data()});
     }
   }
+  before_checkpoint_write(dir / "adapter_model.safetensors");
   write_safetensors(dir / "adapter_model.safetensors", entries, {{"format", "pt"}});
   const LoraConfig& lc = lora_.config();
   nlohmann::json targets = nlohmann::json::array();
@@ -104,43 +105,72 @@ void Engine::save_adapter(const std::filesystem::path& dir, const std::string& b
       {"use_rslora", lc.use_rslora}, {"base_model_name_or_path", base_model},
       {"fan_in_fan_out", false}, {"inference_mode", true}, {"init_lora_weights", true},
       {"modules_to_save", nullptr}, {"use_dora", false}};
+  before_checkpoint_write(dir / "adapter_config.json");
   write_file_atomic(dir / "adapter_config.json", config.dump(2) + "\n");
 }
 
-void Engine::save_checkpoint(const std::filesystem::path& dir, const std::string& base_model) const {
+void Engine::save_checkpoint(const std::filesystem::path& dir, const std::string& base_model,
+                             const nlohmann::json& trainer_fields) const {
   namespace fs = std::filesystem;
   const fs::path staging = dir.string() + ".partial";
-  fs::remove_all(staging);
-  save_adapter(staging, base_model);
-  std::vector<std::vector<uint8_t>> host;
-  std::vector<SafetensorsWriteEntry> entries;
-  host.reserve(lora_.specs().size() * 4);
-  for (size_t i = 0; i < lora_.specs().size(); ++i) {
-    const LoraSpec& spec = lora_.specs()[i];
-    const LoraTensors& t = lora_.tensors()[i];
-    for (const auto& [key, tensor] :
-         {std::pair{spec.a_key + ".exp_avg", t.exp_avg_a}, std::pair{spec.a_key + ".exp_avg_sq", t.exp_avg_sq_a},
-          std::pair{spec.b_key + ".exp_avg", t.exp_avg_b}, std::pair{spec.b_key + ".exp_avg_sq", t.exp_avg_sq_b}}) {
-      host.emplace_back(tensor.nbytes());
-      backend_.copy_to_host(host.back().data(), tensor);
-      entries.push_back({key, DType::f32, tensor.shape, host.back().data()});
-    }
-  }
-  write_safetensors(staging / "optimizer.safetensors", entries, {{"format", "memtune"}});
-  const nlohmann::json state = {{"step", steps_done_},
-                                {"loss_scale", scaler_.scale},
-                                {"scaler_good_steps", scaler_.good_steps},
-                                {"scaler_skipped_steps", scaler_.skipped_steps}};
-  // Written last: a folder without it is not a checkpoint.
-  write_file_atomic(staging / "trainer_state.json", state.dump(2) + "\n");
   const fs::path old = dir.string() + ".old";
-  fs::remove_all(old);
-  if (fs::exists(dir)) fs::rename(dir, old);
-  fs::rename(staging, dir);
-  fs::remove_all(old);
+  try {
+    fs::remove_all(staging);
+    save_adapter(staging, base_model);
+    std::vector<std::vector<uint8_t>> host;
+    std::vector<SafetensorsWriteEntry> entries;
+    host.reserve(lora_.specs().size() * 4);
+    for (size_t i = 0; i < lora_.specs().size(); ++i) {
+      const LoraSpec& spec = lora_.specs()[i];
+      const LoraTensors& t = lora_.tensors()[i];
+      for (const auto& [key, tensor] :
+           {std::pair{spec.a_key + ".exp_avg", t.exp_avg_a}, std::pair{spec.a_key + ".exp_avg_sq", t.exp_avg_sq_a},
+            std::pair{spec.b_key + ".exp_avg", t.exp_avg_b}, std::pair{spec.b_key + ".exp_avg_sq", t.exp_avg_sq_b}}) {
+        host.emplace_back(tensor.nbytes());
+        backend_.copy_to_host(host.back().data(), tensor);
+        entries.push_back({key, DType::f32, tensor.shape, host.back().data()});
+      }
+    }
+    before_checkpoint_write(staging / "optimizer.safetensors");
+    write_safetensors(staging / "optimizer.safetensors", entries, {{"format", "memtune"}});
+    nlohmann::json state = trainer_fields.is_object() ? trainer_fields : nlohmann::json::object();
+    state["step"] = steps_done_;
+    state["loss_scale"] = scaler_.scale;
+    state["scaler_good_steps"] = scaler_.good_steps;
+    state["scaler_skipped_steps"] = scaler_.skipped_steps;
+    // Written last: a folder without it is not a checkpoint.
+    before_checkpoint_write(staging / "trainer_state.json");
+    write_file_atomic(staging / "trainer_state.json", state.dump(2) + "\n");
+  } catch (const std::exception& e) {
+    std::error_code ignored;
+    fs::remove_all(staging, ignored);
+    const bool had_previous = fs::exists(dir / "trainer_state.json", ignored);
+    mt_fail("saving the checkpoint {} at step {} failed: {}; {}", dir.string(), steps_done_, e.what(),
+            had_previous ? "the previous checkpoint there is unchanged" : "there was no previous checkpoint");
+  }
+  // Swap it in. Between the two renames only DIR.old exists, and load_checkpoint looks there.
+  std::error_code error;
+  fs::remove_all(old, error);
+  if (fs::exists(dir)) {
+    fs::rename(dir, old, error);
+    MT_USER_CHECK(!error, "saving the checkpoint {}: moving the previous one aside failed: {}; it is unchanged, "
+                  "and the new one is in {}", dir.string(), error.message(), staging.string());
+  }
+  fs::rename(staging, dir, error);
+  if (error) {
+    std::error_code restore_error;
+    if (fs::exists(old)) fs::rename(old, dir, restore_error);
+    mt_fail("saving the checkpoint {}: renaming {} into place failed: {}; the previous checkpoint is {}",
+            dir.string(), staging.string(), error.message(), restore_error ? "in " + old.string() : "unchanged");
+  }
+  fs::remove_all(old, error);
 }
 
-void Engine::load_checkpoint(const std::filesystem::path& dir) {
+nlohmann::json Engine::load_checkpoint(const std::filesystem::path& requested) {
+  std::filesystem::path dir = requested;
+  const std::filesystem::path old = requested.string() + ".old";
+  if (!std::filesystem::exists(dir / "trainer_state.json") && std::filesystem::exists(old / "trainer_state.json"))
+    dir = old;  // a save was interrupted between its renames: this is the last complete one
   MT_USER_CHECK(std::filesystem::exists(dir / "trainer_state.json"),
                 "{} is not a complete memtune checkpoint (no trainer_state.json)", dir.string());
   const nlohmann::json state = read_json_file(dir / "trainer_state.json");
@@ -158,6 +188,7 @@ void Engine::load_checkpoint(const std::filesystem::path& dir) {
   scaler_.scale = json_get<double>(state, "loss_scale", "trainer_state.json");
   scaler_.good_steps = json_get<int64_t>(state, "scaler_good_steps", "trainer_state.json");
   scaler_.skipped_steps = json_get<int64_t>(state, "scaler_skipped_steps", "trainer_state.json");
+  return state;
 }
 
 void Engine::upload(const HostMicroBatch& batch) {

@@ -4,7 +4,9 @@
 #pragma once
 
 #include <filesystem>
+#include <functional>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <vector>
 
 #include "memtune/core/memory.h"
@@ -70,10 +72,20 @@ class Engine {
   void load_adapter(const std::filesystem::path& adapter_dir);
   void save_adapter(const std::filesystem::path& adapter_dir, const std::string& base_model) const;
   // A resumable training state: the adapter (PEFT files) plus optimizer.safetensors (AdamW
-  // moments) and trainer_state.json (step, loss scaler). The folder is written beside the
-  // target and renamed into place, so an interrupted save never leaves a half checkpoint.
-  void save_checkpoint(const std::filesystem::path& dir, const std::string& base_model) const;
-  void load_checkpoint(const std::filesystem::path& dir);
+  // moments) and trainer_state.json (step, loss scaler, and `trainer_fields`: the trainer's
+  // data position). The folder is written beside the target (DIR.partial) and renamed into
+  // place, so a failed save (disk full, a crash) never leaves a half checkpoint: on failure the
+  // partial folder is removed, the previous DIR is left as it was, and memtune::Error says what
+  // failed. load_checkpoint returns trainer_state.json; it also finds DIR.old, which is the
+  // previous checkpoint when a crash fell between the save's two renames.
+  void save_checkpoint(const std::filesystem::path& dir, const std::string& base_model,
+                       const nlohmann::json& trainer_fields = nlohmann::json::object()) const;
+  nlohmann::json load_checkpoint(const std::filesystem::path& dir);
+  // Called with each file's path just before save_adapter or save_checkpoint writes it: lets a
+  // test make that write fail as a full disk does (link the file's temporary name to /dev/full).
+  void set_checkpoint_write_hook(std::function<void(const std::filesystem::path&)> hook) {
+    checkpoint_write_hook_ = std::move(hook);
+  }
 
   // One optimizer step over the given micro-batches (the accumulation), loss normalised by the
   // valid targets of all of them (transformers >= 4.46).
@@ -97,6 +109,10 @@ class Engine {
   LlamaStep step_;
   LossScalerState scaler_;
   int64_t steps_done_ = 0;
+  std::function<void(const std::filesystem::path&)> checkpoint_write_hook_;
+  void before_checkpoint_write(const std::filesystem::path& file) const {
+    if (checkpoint_write_hook_) checkpoint_write_hook_(file);
+  }
 };
 
 // The plan of a run: the engine on the meta backend through one full optimizer step, for a

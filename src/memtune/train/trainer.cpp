@@ -1,0 +1,375 @@
+#include "memtune/train/trainer.h"
+
+#include <signal.h>
+
+#include <chrono>
+#include <cmath>
+#include <iostream>
+
+#include "memtune/core/error.h"
+#include "memtune/data/sft_dataset.h"
+#include "memtune/io/json_util.h"
+#include "memtune/ops/backend.h"
+#include "memtune/report/progress.h"
+
+namespace memtune {
+namespace {
+
+// Set by the handler, read between steps: a signal never interrupts a step or a save.
+volatile std::sig_atomic_t g_stop_signal = 0;
+
+extern "C" void record_stop_signal(int signal_number) { g_stop_signal = signal_number; }
+
+// Installs the handler for the duration of a run. SA_RESETHAND restores the default action
+// after the first signal, so a second Ctrl-C kills a run whose final save hangs (the save is
+// atomic: killing it loses the new checkpoint, never the previous one).
+class StopSignalGuard {
+ public:
+  explicit StopSignalGuard(bool enabled) : enabled_(enabled) {
+    g_stop_signal = 0;
+    if (!enabled_) return;
+    struct sigaction action {};
+    action.sa_handler = record_stop_signal;
+    sigemptyset(&action.sa_mask);
+    action.sa_flags = SA_RESETHAND | SA_RESTART;
+    sigaction(SIGINT, &action, &previous_int_);
+    sigaction(SIGTERM, &action, &previous_term_);
+  }
+  ~StopSignalGuard() {
+    if (!enabled_) return;
+    sigaction(SIGINT, &previous_int_, nullptr);
+    sigaction(SIGTERM, &previous_term_, nullptr);
+  }
+  StopSignalGuard(const StopSignalGuard&) = delete;
+  StopSignalGuard& operator=(const StopSignalGuard&) = delete;
+
+ private:
+  bool enabled_;
+  struct sigaction previous_int_ {}, previous_term_ {};
+};
+
+std::string signal_name(int signal_number) {
+  if (signal_number == SIGINT) return "SIGINT";
+  if (signal_number == SIGTERM) return "SIGTERM";
+  return fmt::format("signal {}", signal_number);
+}
+
+std::string hex64(uint64_t value) { return fmt::format("{:016x}", value); }
+
+// Seeds are full 64-bit values, which json_as<int64_t> would refuse above 2^63.
+uint64_t json_seed(const nlohmann::json& object, std::string_view key, std::string_view where) {
+  const nlohmann::json& value = json_require(object, key, where);
+  MT_USER_CHECK(value.is_number_unsigned() || (value.is_number_integer() && value.get<int64_t>() >= 0),
+                "{}: expected a non-negative integer, got {}", json_key_description(where, key),
+                json_value_description(value));
+  return value.get<uint64_t>();
+}
+
+uint64_t epoch_seed(uint64_t data_seed, int64_t epoch) {
+  return dropout_hash(data_seed, 0x9e3779b9ull + static_cast<uint64_t>(epoch));
+}
+
+nlohmann::json data_event(const std::string& split, const std::string& name, const Dataset& data,
+                          const std::vector<RowLayout>& rows, int64_t seq, bool packing) {
+  const DatasetStats& s = data.stats;
+  return {{"event", "data"}, {"command", "train"}, {"split", split}, {"path", name},
+          {"format", std::string(dataset_format_name(data.format))}, {"samples", data.samples.size()},
+          {"rows", rows.size()}, {"packing", packing}, {"max_seq_length", seq}, {"tokens", s.tokens},
+          {"trained_targets", s.trained_targets}, {"truncated_samples", s.truncated_samples},
+          {"truncated_tokens", s.truncated_tokens}, {"skipped_bad_lines", s.skipped_bad_lines},
+          {"skipped_fully_masked", s.skipped_fully_masked}};
+}
+
+std::string rows_summary(const std::vector<RowLayout>& rows, int64_t seq, bool packing) {
+  if (!packing) return {};
+  int64_t tokens = 0;
+  for (const RowLayout& row : rows) tokens += row.tokens;
+  return fmt::format("; packed into {} rows of {} tokens ({:.1f}% filled)", rows.size(), seq,
+                     100.0 * static_cast<double>(tokens) / static_cast<double>(rows.size() * seq));
+}
+
+}  // namespace
+
+std::vector<RowLayout> training_rows(const Dataset& data, int64_t seq, bool packing) {
+  if (packing) return pack_best_fit_decreasing(data.samples, seq);
+  for (size_t i = 0; i < data.samples.size(); ++i)
+    MT_USER_CHECK(static_cast<int64_t>(data.samples[i].input_ids.size()) <= seq,
+                  "sample {} has {} tokens, more than max_seq_length {} (truncate it first)", i,
+                  data.samples[i].input_ids.size(), seq);
+  return rows_one_sample_each(data.samples);
+}
+
+int64_t steps_per_epoch(int64_t rows, int64_t batch, int64_t accumulation) {
+  const int64_t micro_batches = (rows + batch - 1) / batch;
+  return std::max<int64_t>(1, (micro_batches + accumulation - 1) / accumulation);
+}
+
+int64_t steps_for_epochs(double num_train_epochs, int64_t rows, int64_t batch, int64_t accumulation) {
+  MT_USER_CHECK(num_train_epochs > 0, "--num_train_epochs {}: expected a positive number", num_train_epochs);
+  return static_cast<int64_t>(std::ceil(num_train_epochs * static_cast<double>(steps_per_epoch(rows, batch, accumulation))));
+}
+
+Trainer::Trainer(Engine& engine, const Dataset& train, const Dataset* eval, TrainerOptions options,
+                 std::ostream& out, std::ostream& err)
+    : engine_(engine),
+      train_(train),
+      eval_(eval),
+      options_(std::move(options)),
+      out_(out),
+      err_(err),
+      batch_(engine.run().per_device_train_batch_size),
+      accumulation_(engine.run().gradient_accumulation_steps),
+      seq_(engine.run().max_seq_length),
+      rows_(training_rows(train, seq_, options_.packing)),
+      fingerprint_(dataset_fingerprint(train)) {
+  MT_USER_CHECK(!rows_.empty(), "the training data holds no samples");
+  if (eval_ != nullptr) {
+    eval_rows_ = training_rows(*eval_, seq_, options_.packing);
+    MT_USER_CHECK(!eval_rows_.empty(), "the eval data holds no samples");
+  }
+}
+
+const std::vector<uint32_t>& Trainer::epoch_order() {
+  if (order_epoch_ != position_.epoch) {
+    order_ = seeded_permutation(rows_.size(), epoch_seed(options_.data_seed, position_.epoch));
+    order_epoch_ = position_.epoch;
+  }
+  return order_;
+}
+
+HostMicroBatch Trainer::micro_batch(const std::vector<const RowLayout*>& rows, const Dataset& data) const {
+  static const RowLayout kPaddingRow;
+  HostMicroBatch batch;
+  const size_t n = static_cast<size_t>(batch_ * seq_);
+  batch.input_ids.resize(n);
+  batch.targets.resize(n);
+  batch.positions.resize(n);
+  batch.segments.resize(n);
+  for (int64_t r = 0; r < batch_; ++r) {
+    const RowLayout& row = static_cast<size_t>(r) < rows.size() && rows[r] != nullptr ? *rows[r] : kPaddingRow;
+    const size_t at = static_cast<size_t>(r * seq_);
+    write_row(data.samples, row, seq_, options_.pad_id,
+              {&batch.input_ids[at], &batch.targets[at], &batch.positions[at], &batch.segments[at]});
+  }
+  return batch;
+}
+
+std::vector<HostMicroBatch> Trainer::next_step_batches() {
+  const int64_t rows = rows_per_epoch();
+  if (position_.next_row >= rows) position_ = {position_.epoch + 1, 0};
+  const std::vector<uint32_t>& order = epoch_order();
+  std::vector<HostMicroBatch> batches;
+  for (int64_t m = 0; m < accumulation_ && position_.next_row < rows; ++m) {
+    std::vector<const RowLayout*> picked;
+    for (int64_t b = 0; b < batch_; ++b) {
+      const int64_t index = position_.next_row + b;
+      picked.push_back(index < rows ? &rows_[order[static_cast<size_t>(index)]] : nullptr);
+    }
+    position_.next_row = std::min(rows, position_.next_row + batch_);
+    batches.push_back(micro_batch(picked, train_));
+  }
+  // The epoch ends with this step (transformers updates on the remainder micro-batches).
+  if (position_.next_row >= rows) position_ = {position_.epoch + 1, 0};
+  return batches;
+}
+
+std::pair<double, int64_t> Trainer::evaluate() {
+  MT_ASSERT(eval_ != nullptr);
+  double sum = 0;
+  int64_t count = 0;
+  for (size_t first = 0; first < eval_rows_.size(); first += static_cast<size_t>(batch_)) {
+    std::vector<const RowLayout*> picked;
+    for (size_t r = first; r < std::min(eval_rows_.size(), first + static_cast<size_t>(batch_)); ++r)
+      picked.push_back(&eval_rows_[r]);
+    const auto [loss_sum, targets] = engine_.eval_loss_sum(micro_batch(picked, *eval_));
+    sum += loss_sum;
+    count += targets;
+  }
+  MT_USER_CHECK(count > 0, "every label of the eval data is masked (-100): no eval loss");
+  return {sum / static_cast<double>(count), count};
+}
+
+nlohmann::json Trainer::checkpoint_fields() const {
+  return {{"data_position",
+           {{"epoch", position_.epoch}, {"index", position_.next_row}, {"shuffle_seed", options_.data_seed},
+            {"rows_per_epoch", rows_per_epoch()}, {"data_fingerprint", hex64(fingerprint_)},
+            {"packing", options_.packing}, {"max_seq_length", seq_}}},
+          // Dropout masks are a hash of (seed, step, micro-batch): the step is the RNG state.
+          {"seed", engine_.run().seed},
+          {"max_steps", engine_.run().max_steps}};
+}
+
+void Trainer::restore(const nlohmann::json& state) {
+  const std::string where = (options_.resume_from / "trainer_state.json").string();
+  if (!state.contains("data_position")) {
+    err_ << "memtune: warning: " << where
+         << " has no data position (an older checkpoint): the data starts again at epoch 0\n";
+    return;
+  }
+  const nlohmann::json& p = state["data_position"];
+  const int64_t rows = json_get<int64_t>(p, "rows_per_epoch", where);
+  const std::string fingerprint = json_get<std::string>(p, "data_fingerprint", where);
+  const bool packing = json_get<bool>(p, "packing", where);
+  const int64_t seq = json_get<int64_t>(p, "max_seq_length", where);
+  MT_USER_CHECK(rows == rows_per_epoch() && fingerprint == hex64(fingerprint_) && packing == options_.packing &&
+                    seq == seq_,
+                "--resume {}: its data position counts in {} rows (data {}, packing {}, max_seq_length {}), but "
+                "this run has {} rows (data {}, packing {}, max_seq_length {}); resume with the same data, "
+                "--packing and --max_seq_length, or start a new run from its adapter with --init-adapter {}",
+                options_.resume_from.string(), rows, fingerprint, packing, seq, rows_per_epoch(),
+                hex64(fingerprint_), options_.packing, seq_, options_.resume_from.string());
+  position_.epoch = json_get<int64_t>(p, "epoch", where);
+  position_.next_row = json_get<int64_t>(p, "index", where);
+  MT_USER_CHECK(position_.epoch >= 0 && position_.next_row >= 0 && position_.next_row <= rows,
+                "{}: data position (epoch {}, index {}) is out of range", where, position_.epoch, position_.next_row);
+  const uint64_t shuffle_seed = json_seed(p, "shuffle_seed", where);
+  if (shuffle_seed != options_.data_seed)
+    err_ << fmt::format("memtune: note: continuing with the checkpoint's shuffle seed {} (not {})\n", shuffle_seed,
+                        options_.data_seed);
+  options_.data_seed = shuffle_seed;
+  order_epoch_ = -1;
+  if (state.contains("seed") && json_seed(state, "seed", where) != engine_.run().seed)
+    err_ << fmt::format("memtune: warning: the checkpoint was trained with --seed {}, this run has {}: dropout "
+                        "masks will differ from an uninterrupted run\n",
+                        json_seed(state, "seed", where), engine_.run().seed);
+}
+
+void Trainer::save_checkpoint() {
+  const std::filesystem::path dir = options_.out_dir / "checkpoint";
+  engine_.save_checkpoint(dir, options_.base_model_name, checkpoint_fields());
+  last_checkpoint_step_ = engine_.steps_done();
+}
+
+TrainOutcome Trainer::run() {
+  const RunConfig& run = engine_.run();
+  MetricsLog metrics(options_.metrics_path);
+  if (!options_.train_data_name.empty()) {
+    err_ << dataset_summary(options_.train_data_name, train_, seq_) << rows_summary(rows_, seq_, options_.packing)
+         << "\n";
+    metrics.write(data_event("train", options_.train_data_name, train_, rows_, seq_, options_.packing));
+  }
+  if (eval_ != nullptr) {
+    err_ << dataset_summary(options_.eval_data_name, *eval_, seq_) << rows_summary(eval_rows_, seq_, options_.packing)
+         << "\n";
+    metrics.write(data_event("eval", options_.eval_data_name, *eval_, eval_rows_, seq_, options_.packing));
+  }
+  if (!options_.resume_from.empty()) {
+    restore(engine_.load_checkpoint(options_.resume_from));
+    err_ << fmt::format("resumed from {} at step {} (epoch {}, row {} of {})\n", options_.resume_from.string(),
+                        engine_.steps_done(), position_.epoch, position_.next_row, rows_per_epoch());
+  }
+  if (!options_.out_dir.empty()) std::filesystem::create_directories(options_.out_dir);
+
+  TrainOutcome outcome;
+  outcome.first_step = engine_.steps_done();
+  const bool fp16 = run.precision == Precision::fp16;
+  int64_t last_eval_step = -1;
+  auto run_eval = [&](int64_t step) {
+    const auto [loss, targets] = evaluate();
+    outcome.eval_losses.push_back({step, loss});
+    last_eval_step = step;
+    metrics.write({{"event", "eval"}, {"command", "train"}, {"step", step}, {"eval_loss", loss},
+                   {"eval_targets", targets}});
+    return loss;
+  };
+
+  StopSignalGuard signals(options_.handle_signals);
+  ProgressLine progress(stderr, !options_.quiet);
+  progress.start(static_cast<double>(run.max_steps - outcome.first_step));
+  for (int64_t step = outcome.first_step; step < run.max_steps; ++step) {
+    const std::vector<HostMicroBatch> batches = next_step_batches();
+    int64_t targets = 0;
+    for (const HostMicroBatch& b : batches) targets += b.valid_targets();
+    const auto start = std::chrono::steady_clock::now();
+    const StepReport report = engine_.train_step(batches);
+    engine_.backend().synchronize();
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    const int64_t done = step + 1;
+    // transformers' "epoch": epochs completed, fractional.
+    const double epochs_done = static_cast<double>(position_.epoch) +
+                               static_cast<double>(position_.next_row) / static_cast<double>(rows_per_epoch());
+    nlohmann::json record = {{"event", "step"}, {"command", "train"}, {"step", done}, {"steps", run.max_steps},
+                             {"loss", report.loss}, {"step_seconds", seconds}, {"tokens", report.tokens},
+                             {"targets", targets}, {"tokens_per_second", report.tokens / seconds},
+                             {"lr", report.learning_rate}, {"epoch", epochs_done},
+                             {"grad_norm", std::isfinite(report.grad_norm) ? nlohmann::json(report.grad_norm) : nlohmann::json()}};
+    if (fp16) record["skipped"] = report.skipped;
+    // fp16 overflows are the loss scaler's business (the step was skipped and the scale backed
+    // off); in fp32 or bf16 a non-finite loss means the run has diverged or the data or weights
+    // are broken, and every later step would be as bad.
+    if (!fp16 && !(std::isfinite(report.loss) && std::isfinite(report.grad_norm))) {
+      metrics.write(record);
+      progress.clear();
+      std::string kept = "no checkpoint had been written yet";
+      if (last_checkpoint_step_ >= 0)
+        kept = fmt::format("the last good checkpoint ({}, step {}) is kept", (options_.out_dir / "checkpoint").string(),
+                           last_checkpoint_step_);
+      else if (!options_.resume_from.empty())
+        kept = fmt::format("the checkpoint this run resumed from ({}, step {}) is kept",
+                           options_.resume_from.string(), outcome.first_step);
+      mt_fail("step {}: the loss is {} (grad norm {}) in {} training; stopping without saving this step "
+              "(the adapter was not updated by it); {}",
+              done, report.loss, report.grad_norm, precision_name(run.precision), kept);
+    }
+    outcome.losses.push_back(report.loss);
+    outcome.steps_done = done;
+    nlohmann::json line = {{"step", done}, {"loss", report.loss}, {"grad_norm", report.grad_norm},
+                           {"lr", report.learning_rate}, {"tokens_per_second", report.tokens / seconds},
+                           {"planned_peak_bytes", options_.planned_peak_bytes},
+                           {"engine_peak_bytes", engine_.memory().allocator().high_water()},
+                           {"skipped", report.skipped}};
+    if (eval_ != nullptr && options_.eval_steps > 0 && done % options_.eval_steps == 0) {
+      const double eval_loss = run_eval(done);
+      line["eval_loss"] = eval_loss;
+      record["eval_loss"] = eval_loss;
+    }
+    metrics.write(std::move(record));
+    progress.clear();  // the step's line goes to stdout; the progress line is redrawn below it
+    if (!options_.quiet) out_ << line.dump() << std::endl;
+    progress.set_work_done(static_cast<double>(done - outcome.first_step));
+    progress.update(fmt::format("train step {}/{}  loss {:.4f}  {:.2f} s/step", done, run.max_steps, report.loss,
+                                seconds));
+    if (options_.after_step) options_.after_step(done, report);
+    if (!options_.out_dir.empty() && options_.save_steps > 0 && done % options_.save_steps == 0) {
+      save_checkpoint();
+      metrics.write({{"event", "checkpoint"}, {"command", "train"}, {"step", done},
+                     {"path", (options_.out_dir / "checkpoint").string()}});
+    }
+    if (g_stop_signal != 0 && done < run.max_steps) {
+      const int signal_number = g_stop_signal;
+      progress.clear();
+      outcome.stop_signal = signal_number;
+      outcome.exit_code = 128 + signal_number;
+      if (options_.out_dir.empty()) {
+        err_ << fmt::format("memtune: {} after step {} of {}: stopped; no --out was given, so nothing was saved\n",
+                            signal_name(signal_number), done, run.max_steps);
+      } else {
+        if (last_checkpoint_step_ != done) save_checkpoint();
+        const std::string dir = (options_.out_dir / "checkpoint").string();
+        err_ << fmt::format("memtune: {} after step {} of {}: stopped; checkpoint written to {} "
+                            "(continue with --resume {})\n",
+                            signal_name(signal_number), done, run.max_steps, dir, dir);
+      }
+      metrics.write({{"event", "interrupted"}, {"command", "train"}, {"step", done},
+                     {"signal", signal_name(signal_number)}});
+      return outcome;
+    }
+  }
+  progress.clear();
+  outcome.steps_done = engine_.steps_done();
+  if (eval_ != nullptr && last_eval_step != outcome.steps_done) {
+    const double eval_loss = run_eval(outcome.steps_done);
+    if (!options_.quiet) out_ << nlohmann::json{{"step", outcome.steps_done}, {"eval_loss", eval_loss}}.dump() << std::endl;
+  }
+  if (!outcome.eval_losses.empty())
+    err_ << fmt::format("eval loss {:.6f} at step {}\n", outcome.eval_losses.back().second, outcome.eval_losses.back().first);
+  if (!options_.out_dir.empty()) {
+    const std::filesystem::path adapter = options_.out_dir / "adapter";
+    engine_.save_adapter(adapter, options_.base_model_name);
+    if (last_checkpoint_step_ != outcome.steps_done) save_checkpoint();
+    err_ << "wrote " << adapter.string() << " (PEFT format) and " << (options_.out_dir / "checkpoint").string() << "\n";
+  }
+  return outcome;
+}
+
+}  // namespace memtune

@@ -1,0 +1,116 @@
+// The training loop of `memtune train`, as transformers' Trainer runs it: seeded epoch-wise
+// shuffling, gradient accumulation with an update at the end of each epoch, periodic
+// evaluation and checkpoints, a stop on a non-finite loss, and a clean stop on SIGINT/SIGTERM.
+//
+// Order of the data: the rows (one sample each, or packed: data/packing.h) of epoch e are
+// seeded_permutation(rows, hash(data_seed, e)): every row once per epoch, a new order each
+// epoch. A micro-batch takes per_device_train_batch_size rows; an optimizer step takes
+// gradient_accumulation_steps micro-batches, or fewer at the end of an epoch (transformers
+// updates there too, on the remainder). The last micro-batch of an epoch is filled up with
+// all-padding rows, so every micro-batch has the planned [batch, seq] shape and the loss
+// normalisation (over the valid targets of the step) is unchanged.
+//
+// The data position (epoch, rows consumed in it, the shuffle seed, and the row count and
+// fingerprint of the data it counts in) is written into the checkpoint's trainer_state.json;
+// with the step (which seeds dropout) and the optimizer state it is everything the next step
+// depends on, so a resumed run continues bit-identically on the CPU.
+#pragma once
+
+#include <csignal>
+#include <filesystem>
+#include <functional>
+#include <iosfwd>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "memtune/data/jsonl_dataset.h"
+#include "memtune/data/packing.h"
+#include "memtune/train/engine.h"
+
+namespace memtune {
+
+struct TrainerOptions {
+  bool packing = false;         // TRL SFTConfig.packing
+  uint64_t data_seed = 42;      // transformers' data_seed (defaults to seed)
+  int64_t save_steps = 0;       // checkpoint every N steps (0: at the end only)
+  int64_t eval_steps = 0;       // evaluate every N steps (0: at the end only)
+  std::filesystem::path out_dir;      // adapter/ and checkpoint/; empty: nothing is written
+  std::filesystem::path resume_from;  // a checkpoint folder; empty: start at step 0
+  std::string base_model_name;        // adapter_config.json's base_model_name_or_path
+  std::string train_data_name, eval_data_name;  // for the report; empty: synthetic / none
+  std::string metrics_path;           // JSONL of data, step, eval and checkpoint events
+  uint64_t planned_peak_bytes = 0;    // reported per step beside the engine's own peak
+  bool quiet = false;           // no per-step stdout lines and no progress line
+  int32_t pad_id = 0;           // the padding's value cannot change the loss (causal, -100)
+  bool handle_signals = true;   // SIGINT / SIGTERM stop after the current step
+  // Called after each step's line is written (tests: simulate an interrupt with raise()).
+  std::function<void(int64_t step, const StepReport& report)> after_step;
+};
+
+struct DataPosition {
+  int64_t epoch = 0;
+  int64_t next_row = 0;  // rows of this epoch's order already trained on
+};
+
+struct TrainOutcome {
+  int exit_code = 0;      // 0, or 128 + the signal that stopped the run (130 SIGINT, 143 SIGTERM)
+  int stop_signal = 0;
+  int64_t first_step = 0, steps_done = 0;
+  std::vector<double> losses;                               // this run's steps
+  std::vector<std::pair<int64_t, double>> eval_losses;      // (step, mean eval loss)
+};
+
+// The rows a dataset makes (one per sample, or packed by best-fit decreasing).
+std::vector<RowLayout> training_rows(const Dataset& data, int64_t seq, bool packing);
+// Optimizer steps in one epoch of `rows` rows.
+int64_t steps_per_epoch(int64_t rows, int64_t batch, int64_t accumulation);
+// transformers' max_steps for num_train_epochs: ceil(epochs * steps per epoch).
+int64_t steps_for_epochs(double num_train_epochs, int64_t rows, int64_t batch, int64_t accumulation);
+
+class Trainer {
+ public:
+  // `engine` is ready to train (weights and adapters initialised); its RunConfig gives the
+  // batch shape, max_steps and precision. `eval` may be null.
+  Trainer(Engine& engine, const Dataset& train, const Dataset* eval, TrainerOptions options,
+          std::ostream& out, std::ostream& err);
+  // The trainer keeps a reference to the data: a temporary would dangle.
+  Trainer(Engine& engine, Dataset&& train, const Dataset* eval, TrainerOptions options, std::ostream& out,
+          std::ostream& err) = delete;
+
+  // Resumes (options.resume_from), trains to max_steps, evaluates and saves. Returns normally
+  // when it finished or a signal stopped it (checkpoint written); memtune::Error for a
+  // non-finite loss in fp32/bf16 (nothing saved from that step), a failed save, or a resume
+  // from a checkpoint made with other data.
+  TrainOutcome run();
+
+  // The micro-batches of the next optimizer step, advancing the data position.
+  std::vector<HostMicroBatch> next_step_batches();
+  const DataPosition& position() const { return position_; }
+  int64_t rows_per_epoch() const { return static_cast<int64_t>(rows_.size()); }
+  // Mean loss (token-weighted: sum over tokens / count) on the eval rows.
+  std::pair<double, int64_t> evaluate();
+
+ private:
+  nlohmann::json checkpoint_fields() const;
+  void restore(const nlohmann::json& state);
+  void save_checkpoint();
+  const std::vector<uint32_t>& epoch_order();
+  HostMicroBatch micro_batch(const std::vector<const RowLayout*>& rows, const Dataset& data) const;
+
+  Engine& engine_;
+  const Dataset& train_;
+  const Dataset* eval_;
+  TrainerOptions options_;
+  std::ostream& out_;
+  std::ostream& err_;
+  int64_t batch_, accumulation_, seq_;
+  std::vector<RowLayout> rows_, eval_rows_;
+  uint64_t fingerprint_;
+  DataPosition position_;
+  std::vector<uint32_t> order_;
+  int64_t order_epoch_ = -1;
+  int64_t last_checkpoint_step_ = -1;
+};
+
+}  // namespace memtune
