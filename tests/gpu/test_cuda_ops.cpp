@@ -266,8 +266,8 @@ TEST_F(CudaTest, DropoutMaskIdenticalToCpu) {
       DeviceTensor x_dev = upload(x);
       DeviceTensor out = poisoned(type, Shape{n});
       HostTensor expected(type, Shape{n});
-      gpu().dropout(out, x_dev, p, 0x1234abcdull);
-      cpu().dropout(expected, x, p, 0x1234abcdull);
+      gpu().dropout(out, x_dev, p, 0x1234abcdull, 0);
+      cpu().dropout(expected, x, p, 0x1234abcdull, 0);
       const std::vector<float> g = out.floats(), c = expected.floats();
       int64_t mask_differs = 0;
       for (int64_t i = 0; i < n; ++i) mask_differs += (g[i] == 0.0f) != (c[i] == 0.0f);

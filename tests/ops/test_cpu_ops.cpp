@@ -441,9 +441,9 @@ TEST(CpuDropout, MaskIsDeterministicAndKeepsOneMinusP) {
   const std::vector<float> xv = x.floats();
   for (float p : {0.05f, 0.1f, 0.5f}) {
     HostTensor first(DType::f32, {n}), second(DType::f32, {n}), other_seed(DType::f32, {n});
-    backend->dropout(first, x, p, 1234);
-    backend->dropout(second, x, p, 1234);
-    backend->dropout(other_seed, x, p, 1235);
+    backend->dropout(first, x, p, 1234, 0);
+    backend->dropout(second, x, p, 1234, 0);
+    backend->dropout(other_seed, x, p, 1235, 0);
     EXPECT_EQ(first.storage, second.storage);
     EXPECT_NE(first.storage, other_seed.storage);
     const std::vector<float> out = first.floats();
@@ -463,16 +463,16 @@ TEST(CpuDropout, ZeroPIsIdentityAndGradientUsesSameMask) {
   for (DType dtype : kFloatDtypes) {
     HostTensor x = random_tensor(dtype, {3, 777}, rng);
     HostTensor out(dtype, {3, 777});
-    backend->dropout(out, x, 0.0f, 99);
+    backend->dropout(out, x, 0.0f, 99, 0);
     EXPECT_EQ(out.storage, x.storage);
   }
   // d/dx sum(dropout(x) * R) = dropout(R) with the same seed.
   HostTensor x = random_tensor(DType::f32, {257}, rng);
   const std::vector<float> weights = random_floats(257, rng);
   HostTensor grad(DType::f32, {257}), out(DType::f32, {257});
-  backend->dropout(grad, tensor_from(DType::f32, {257}, weights), 0.3f, 7);
+  backend->dropout(grad, tensor_from(DType::f32, {257}, weights), 0.3f, 7, 0);
   auto objective = [&] {
-    backend->dropout(out, x, 0.3f, 7);
+    backend->dropout(out, x, 0.3f, 7, 0);
     return weighted_sum(out, weights);
   };
   expect_gradient_matches("dropout dx", grad.floats(), x, objective, indices_to_check(257, 257, rng));

@@ -22,6 +22,7 @@ inline void add_run_options(CLI::App& app, RunConfig& run, RunFlags& flags) {
   app.add_option("--attn_implementation,--attn-implementation", run.attn_implementation, "eager | flash")->capture_default_str();
   app.add_option("--loss_implementation,--loss-implementation", run.loss_implementation, "full | chunked")->capture_default_str();
   app.add_option("--loss_chunk_tokens", run.loss_chunk_tokens, "tokens per chunk of the chunked loss")->capture_default_str();
+  app.add_option("--mlp_chunk_tokens", run.mlp_chunk_tokens, "tokens per MLP chunk where its activations are not saved (checkpointing, eval); 0 = no chunking")->capture_default_str();
   app.add_option("--per_device_train_batch_size,--batch", run.per_device_train_batch_size, "micro-batch size")->capture_default_str();
   app.add_option("--gradient_accumulation_steps,--accum", run.gradient_accumulation_steps, "micro-batches per optimizer step")->capture_default_str();
   app.add_option("--max_seq_length,--seq", run.max_seq_length, "tokens per sequence")->capture_default_str();

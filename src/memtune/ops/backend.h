@@ -140,6 +140,17 @@ class Backend {
                                         const Tensor& k, const Tensor& v, const Tensor& segments,
                                         const AttentionDims& dims) = 0;
 
+  // ---- attention_decode (generation) ----
+  // One new query per sequence against that sequence's KV cache. q, out [batch, n_heads *
+  // head_dim]; k_cache, v_cache [batch, capacity, n_kv_heads * head_dim]. The query of sequence b
+  // attends to all cache rows [0, dims.seq) of sequence b and to nothing else: the rows past the
+  // newest token are not written yet, so no causal mask is needed (rows >= dims.seq may hold
+  // garbage or NaN and are not read). GQA as above. Math in fp32 (scores, softmax, the weighted
+  // sum of v); out is rounded once.
+  virtual void attention_decode(const Tensor& out, const Tensor& q, const Tensor& k_cache,
+                                const Tensor& v_cache, const AttentionDims& dims) = 0;
+  // ---- end attention_decode ----
+
   // ---- loss -------------------------------------------------------------------------------------
   // Cross-entropy over logits [rows, V] (any float dtype; math in fp32) against targets i32
   // [rows] (-100 = ignored). loss_sum f32 [1] += sum of -log softmax(logits)[target] over the
@@ -154,8 +165,11 @@ class Backend {
 
   // ---- LoRA dropout -----------------------------------------------------------------------------
   // out = x * keep / (1 - p), keep drawn from a counter-based hash of (seed, element index) so
-  // that the same call in the backward (or on another backend) gives the same mask.
-  virtual void dropout(const Tensor& out, const Tensor& x, float p, uint64_t seed) = 0;
+  // that the same call in the backward (or on another backend) gives the same mask. Element i of
+  // x has index index_offset + i: a slice of rows of a larger tensor passes the slice's first
+  // element, and so gets the mask that the whole tensor would have there.
+  virtual void dropout(const Tensor& out, const Tensor& x, float p, uint64_t seed,
+                       uint64_t index_offset) = 0;
 
   // ---- optimizer ----------------------------------------------------------------------------------
   // acc f32 [1] += sum(x^2) (fp32 accumulate of grads for the global norm and the finite check).

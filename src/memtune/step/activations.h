@@ -74,4 +74,14 @@ inline Shape act_shape(const ActSpec& spec, const LlamaConfig& c, const ActDims&
   return Shape{};
 }
 
+// The shape of `rows` token rows of a per-token activation: the buffers of one MLP chunk.
+inline Shape act_rows_shape(const ActSpec& spec, const LlamaConfig& c, const ActDims& d,
+                            int64_t rows) {
+  MT_ASSERT(spec.dim != ActDim::scores && spec.dim != ActDim::lse,
+            "{} is not a per-token activation", spec.name);
+  Shape shape = act_shape(spec, c, d);
+  shape[0] = rows;
+  return shape;
+}
+
 }  // namespace memtune

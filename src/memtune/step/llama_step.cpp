@@ -59,6 +59,20 @@ Tensor LlamaStep::alloc_act(Act id, int layer, MemCategory category) {
                        act_shape(spec, config_, dims_));
 }
 
+Tensor LlamaStep::alloc_act_rows(Act id, int layer, MemCategory category, int64_t rows) {
+  const ActSpec& spec = act_spec(id);
+  return memory_.alloc(fmt::format("layers.{}.{}", layer, spec.name), category,
+                       spec.fp32 ? DType::f32 : options_.compute_dtype,
+                       act_rows_shape(spec, config_, dims_, rows));
+}
+
+int64_t LlamaStep::mlp_chunk_rows(bool training) const {
+  // Without checkpointing the training forward keeps the whole MLP for the backward anyway.
+  const bool mlp_acts_saved = training && !options_.gradient_checkpointing;
+  if (mlp_acts_saved || options_.mlp_chunk_tokens <= 0) return 0;
+  return std::min(tokens_, options_.mlp_chunk_tokens);
+}
+
 void LlamaStep::free_layer(LayerState& state, bool keep_input) {
   // Free in reverse order of allocation: the first-fit arena then reuses the space cleanly.
   for (int p = kNumProjections - 1; p >= 0; --p)
@@ -84,15 +98,16 @@ void LlamaStep::release_frozen_weight(int layer, Projection p, const Tensor& w) 
 }
 
 Tensor LlamaStep::lora_input_projection(int layer, Projection p, const Tensor& x,
-                                        MemCategory u_category, uint64_t dropout_seed,
-                                        bool training) {
+                                        int64_t first_row, MemCategory u_category,
+                                        uint64_t dropout_seed, bool training) {
   const LoraTensors* adapter = lora_.find(layer, p);
   const std::string u_name = fmt::format("layers.{}.{}.lora_u", layer, projection_name(p));
-  Tensor u = memory_.alloc(u_name, u_category, options_.compute_dtype, Shape{tokens_, lora_.config().r});
+  Tensor u = memory_.alloc(u_name, u_category, options_.compute_dtype, Shape{x.rows(), lora_.config().r});
   if (training && lora_dropout_ > 0.0f) {
     Tensor dropped = memory_.alloc(u_name + ".dropped_x", MemCategory::transient_activations,
                                    x.dtype, x.shape);
-    backend_.dropout(dropped, x, lora_dropout_, dropout_hash(dropout_seed, layer * 8 + static_cast<int>(p)));
+    backend_.dropout(dropped, x, lora_dropout_, dropout_hash(dropout_seed, layer * 8 + static_cast<int>(p)),
+                     static_cast<uint64_t>(first_row * x.cols()));
     backend_.matmul(u, dropped, false, adapter->a_compute, true, 1.0f, 0.0f);
     memory_.free(dropped);
   } else {
@@ -101,46 +116,61 @@ Tensor LlamaStep::lora_input_projection(int layer, Projection p, const Tensor& x
   return u;
 }
 
-void LlamaStep::linear_forward(int layer, Projection p, const Tensor& x, const Tensor& y,
-                               Tensor* lora_u, MemCategory u_category, uint64_t dropout_seed,
-                               bool training) {
+void LlamaStep::linear_forward(int layer, Projection p, const Tensor& x, int64_t first_row,
+                               const Tensor& y, Tensor* lora_u, MemCategory u_category,
+                               uint64_t dropout_seed, bool training) {
   const Tensor w = frozen_weight(layer, p);
   backend_.matmul(y, x, false, w, true, 1.0f, 0.0f);
   release_frozen_weight(layer, p, w);
   const LoraTensors* adapter = lora_.find(layer, p);
   if (adapter == nullptr) return;
-  Tensor u = lora_input_projection(layer, p, x, u_category, dropout_seed, training);
+  Tensor u = lora_input_projection(layer, p, x, first_row, u_category, dropout_seed, training);
   backend_.matmul(y, u, false, adapter->b_compute, true, lora_scale_, 1.0f);
   if (lora_u != nullptr) *lora_u = u;
   else memory_.free(u);
 }
 
 void LlamaStep::linear_backward(int layer, Projection p, const Tensor& dy, const Tensor& x,
-                                const Tensor& lora_u, const Tensor& dx, bool accumulate,
-                                uint64_t dropout_seed) {
+                                int64_t first_row, const Tensor& lora_u, const Tensor& dx,
+                                bool accumulate, uint64_t dropout_seed) {
+  // Everything that reads x comes before dx is written, so that a caller may pass dx == x (an
+  // input that nothing needs after this backward) and save a buffer; accumulating into x is
+  // never meaningful, so that case stays an error.
+  MT_ASSERT(!accumulate || dx.data != x.data, "linear_backward accumulates into its own input");
+  const LoraTensors* adapter = lora_.find(layer, p);
+  const std::string name = fmt::format("layers.{}.{}", layer, projection_name(p));
+  const uint64_t mask_seed = dropout_hash(dropout_seed, layer * 8 + static_cast<int>(p));
+  const uint64_t mask_offset = static_cast<uint64_t>(first_row * x.cols());
+  Tensor du;
+  if (adapter != nullptr) {
+    backend_.matmul(adapter->grad_b, dy, true, lora_u, false, lora_scale_, 1.0f);
+    du = memory_.alloc(name + ".d_lora_u", MemCategory::transient_activations,
+                       options_.compute_dtype, lora_u.shape);
+    backend_.matmul(du, dy, false, adapter->b_compute, false, lora_scale_, 0.0f);
+    if (lora_dropout_ > 0.0f) {
+      Tensor dropped_x = memory_.alloc(name + ".dropped_x", MemCategory::transient_activations,
+                                       x.dtype, x.shape);
+      backend_.dropout(dropped_x, x, lora_dropout_, mask_seed, mask_offset);
+      backend_.matmul(adapter->grad_a, du, true, dropped_x, false, 1.0f, 1.0f);
+      memory_.free(dropped_x);
+    } else {
+      backend_.matmul(adapter->grad_a, du, true, x, false, 1.0f, 1.0f);
+    }
+  }
+  // x is not read from here on.
   const Tensor w = frozen_weight(layer, p);
   backend_.matmul(dx, dy, false, w, false, 1.0f, accumulate ? 1.0f : 0.0f);
   release_frozen_weight(layer, p, w);
-  const LoraTensors* adapter = lora_.find(layer, p);
   if (adapter == nullptr) return;
-  const std::string name = fmt::format("layers.{}.{}", layer, projection_name(p));
-  backend_.matmul(adapter->grad_b, dy, true, lora_u, false, lora_scale_, 1.0f);
-  Tensor du = memory_.alloc(name + ".d_lora_u", MemCategory::transient_activations,
-                            options_.compute_dtype, lora_u.shape);
-  backend_.matmul(du, dy, false, adapter->b_compute, false, lora_scale_, 0.0f);
   if (lora_dropout_ > 0.0f) {
-    const uint64_t seed = dropout_hash(dropout_seed, layer * 8 + static_cast<int>(p));
-    Tensor dropped = memory_.alloc(name + ".dropped_x", MemCategory::transient_activations,
-                                   x.dtype, x.shape);
-    backend_.dropout(dropped, x, lora_dropout_, seed);
-    backend_.matmul(adapter->grad_a, du, true, dropped, false, 1.0f, 1.0f);
-    // The same buffer now takes du A, masked and rescaled like the forward's input.
-    backend_.matmul(dropped, du, false, adapter->a_compute, false, 1.0f, 0.0f);
-    backend_.dropout(dropped, dropped, lora_dropout_, seed);
-    backend_.add(dx, dx, dropped);
-    memory_.free(dropped);
+    // du A, masked and rescaled like the forward's input.
+    Tensor d_dropped_x = memory_.alloc(name + ".d_dropped_x", MemCategory::transient_activations,
+                                       x.dtype, x.shape);
+    backend_.matmul(d_dropped_x, du, false, adapter->a_compute, false, 1.0f, 0.0f);
+    backend_.dropout(d_dropped_x, d_dropped_x, lora_dropout_, mask_seed, mask_offset);
+    backend_.add(dx, dx, d_dropped_x);
+    memory_.free(d_dropped_x);
   } else {
-    backend_.matmul(adapter->grad_a, du, true, x, false, 1.0f, 1.0f);
     backend_.matmul(dx, du, false, adapter->a_compute, false, 1.0f, 1.0f);
   }
   memory_.free(du);
@@ -163,9 +193,9 @@ Tensor LlamaStep::layer_forward(int layer, LayerState& s, bool recompute, uint64
   act(Act::q) = alloc_act(Act::q, layer, keep);
   act(Act::k) = alloc_act(Act::k, layer, keep);
   act(Act::v) = alloc_act(Act::v, layer, keep);
-  linear_forward(layer, Projection::q, act(Act::norm1_out), act(Act::q), lora_u(Projection::q), keep, dropout_seed, training);
-  linear_forward(layer, Projection::k, act(Act::norm1_out), act(Act::k), lora_u(Projection::k), keep, dropout_seed, training);
-  linear_forward(layer, Projection::v, act(Act::norm1_out), act(Act::v), lora_u(Projection::v), keep, dropout_seed, training);
+  linear_forward(layer, Projection::q, act(Act::norm1_out), 0, act(Act::q), lora_u(Projection::q), keep, dropout_seed, training);
+  linear_forward(layer, Projection::k, act(Act::norm1_out), 0, act(Act::k), lora_u(Projection::k), keep, dropout_seed, training);
+  linear_forward(layer, Projection::v, act(Act::norm1_out), 0, act(Act::v), lora_u(Projection::v), keep, dropout_seed, training);
   backend_.rope_forward(act(Act::q), batch_.positions, inv_freq_, config_.head_dim);
   backend_.rope_forward(act(Act::k), batch_.positions, inv_freq_, config_.head_dim);
 
@@ -184,34 +214,84 @@ Tensor LlamaStep::layer_forward(int layer, LayerState& s, bool recompute, uint64
                                      act(Act::k), act(Act::v), batch_.segments, dims);
   }
   act(Act::mid) = alloc_act(Act::mid, layer, keep);
-  linear_forward(layer, Projection::o, act(Act::attn_out), act(Act::mid), lora_u(Projection::o), keep, dropout_seed, training);
+  linear_forward(layer, Projection::o, act(Act::attn_out), 0, act(Act::mid), lora_u(Projection::o), keep, dropout_seed, training);
   backend_.add(act(Act::mid), act(Act::mid), act(Act::layer_input));
 
-  act(Act::norm2_out) = alloc_act(Act::norm2_out, layer, keep);
-  act(Act::norm2_rstd) = alloc_act(Act::norm2_rstd, layer, keep);
-  backend_.rmsnorm_forward(act(Act::norm2_out), act(Act::norm2_rstd), act(Act::mid), w.post_norm, eps);
-  act(Act::gate) = alloc_act(Act::gate, layer, keep);
-  act(Act::up) = alloc_act(Act::up, layer, keep);
-  linear_forward(layer, Projection::gate, act(Act::norm2_out), act(Act::gate), lora_u(Projection::gate), keep, dropout_seed, training);
-  linear_forward(layer, Projection::up, act(Act::norm2_out), act(Act::up), lora_u(Projection::up), keep, dropout_seed, training);
-  act(Act::swiglu_out) = alloc_act(Act::swiglu_out, layer, keep);
-  backend_.swiglu_forward(act(Act::swiglu_out), act(Act::gate), act(Act::up));
+  const int64_t chunk_rows = mlp_chunk_rows(training);
+  // The backward recomputes norm2 and the MLP chunk by chunk from mid.
+  if (recompute && chunk_rows > 0) return Tensor{};
+  if (chunk_rows == 0) {
+    mlp_forward(layer, act(Act::mid), 0, s, keep, dropout_seed, training, training);
+    if (recompute) {
+      // The output already exists; the backward needs only the down projection's LoRA input.
+      if (lora_.find(layer, Projection::down) != nullptr)
+        s.lora_u[static_cast<int>(Projection::down)] = lora_input_projection(
+            layer, Projection::down, act(Act::swiglu_out), 0, keep, dropout_seed, training);
+      return Tensor{};
+    }
+  }
 
   // The layer output is the next layer's input: saved whenever training, also under
-  // checkpointing. A recompute produces nothing new (its output already exists).
-  if (recompute) {
-    // The output already exists; the backward needs only the down projection's LoRA input.
-    if (lora_.find(layer, Projection::down) != nullptr)
-      s.lora_u[static_cast<int>(Projection::down)] =
-          lora_input_projection(layer, Projection::down, act(Act::swiglu_out), keep, dropout_seed, training);
-    return Tensor{};
-  }
+  // checkpointing.
   const MemCategory out_category = training ? MemCategory::saved_activations : MemCategory::transient_activations;
   Tensor out = memory_.alloc(fmt::format("layers.{}.layer_input", layer + 1), out_category,
                              options_.compute_dtype, Shape{tokens_, config_.hidden_size});
-  linear_forward(layer, Projection::down, act(Act::swiglu_out), out, lora_u(Projection::down), keep, dropout_seed, training);
+  if (chunk_rows == 0) {
+    linear_forward(layer, Projection::down, act(Act::swiglu_out), 0, out, lora_u(Projection::down), keep, dropout_seed, training);
+  } else {
+    // Nothing of norm2 or the MLP is kept (a backward recomputes them): chunk buffers only.
+    const MemCategory transient = MemCategory::transient_activations;
+    for (int64_t begin = 0; begin < tokens_; begin += chunk_rows) {
+      const int64_t end = std::min(tokens_, begin + chunk_rows);
+      LayerState chunk;
+      mlp_forward(layer, act(Act::mid).slice_rows(begin, end), begin, chunk, transient,
+                  dropout_seed, training, /*keep_lora_u=*/false);
+      linear_forward(layer, Projection::down, chunk.acts[static_cast<int>(Act::swiglu_out)], begin,
+                     out.slice_rows(begin, end), nullptr, transient, dropout_seed, training);
+      free_layer(chunk, /*keep_input=*/false);
+    }
+  }
   backend_.add(out, out, act(Act::mid));
   return out;
+}
+
+void LlamaStep::mlp_forward(int layer, const Tensor& mid_rows, int64_t first_row, LayerState& mlp,
+                            MemCategory category, uint64_t dropout_seed, bool training,
+                            bool keep_lora_u) {
+  const int64_t rows = mid_rows.rows();
+  auto act = [&](Act id) -> Tensor& { return mlp.acts[static_cast<int>(id)]; };
+  auto lora_u = [&](Projection p) { return keep_lora_u ? &mlp.lora_u[static_cast<int>(p)] : nullptr; };
+  act(Act::norm2_out) = alloc_act_rows(Act::norm2_out, layer, category, rows);
+  act(Act::norm2_rstd) = alloc_act_rows(Act::norm2_rstd, layer, category, rows);
+  backend_.rmsnorm_forward(act(Act::norm2_out), act(Act::norm2_rstd), mid_rows,
+                           weights_.layers[layer].post_norm, static_cast<float>(config_.rms_norm_eps));
+  act(Act::gate) = alloc_act_rows(Act::gate, layer, category, rows);
+  act(Act::up) = alloc_act_rows(Act::up, layer, category, rows);
+  linear_forward(layer, Projection::gate, act(Act::norm2_out), first_row, act(Act::gate), lora_u(Projection::gate), category, dropout_seed, training);
+  linear_forward(layer, Projection::up, act(Act::norm2_out), first_row, act(Act::up), lora_u(Projection::up), category, dropout_seed, training);
+  act(Act::swiglu_out) = alloc_act_rows(Act::swiglu_out, layer, category, rows);
+  backend_.swiglu_forward(act(Act::swiglu_out), act(Act::gate), act(Act::up));
+}
+
+void LlamaStep::mlp_backward(int layer, LayerState& mlp, const Tensor& mid_rows,
+                             const Tensor& d_resid_rows, int64_t first_row, uint64_t dropout_seed) {
+  auto act = [&](Act id) -> Tensor& { return mlp.acts[static_cast<int>(id)]; };
+  auto lora_u = [&](Projection p) { return mlp.lora_u[static_cast<int>(p)]; };
+  // swiglu_out is dead once the down projection's backward has read it, so its grad overwrites
+  // it in place (dx may alias x because accumulate is false); gate/up likewise take their grads.
+  const Tensor& d_swiglu = act(Act::swiglu_out);
+  linear_backward(layer, Projection::down, d_resid_rows, act(Act::swiglu_out), first_row,
+                  lora_u(Projection::down), d_swiglu, false, dropout_seed);
+  backend_.swiglu_backward(act(Act::gate), act(Act::up), d_swiglu, act(Act::gate), act(Act::up));
+  memory_.free(act(Act::swiglu_out));  // d_swiglu is consumed: its space takes d_norm2
+  act(Act::swiglu_out) = Tensor{};
+  Tensor d_norm2 = memory_.alloc(fmt::format("layers.{}.d_norm2", layer), MemCategory::transient_activations,
+                                 options_.compute_dtype, act(Act::norm2_out).shape);
+  linear_backward(layer, Projection::gate, act(Act::gate), act(Act::norm2_out), first_row, lora_u(Projection::gate), d_norm2, false, dropout_seed);
+  linear_backward(layer, Projection::up, act(Act::up), act(Act::norm2_out), first_row, lora_u(Projection::up), d_norm2, true, dropout_seed);
+  backend_.rmsnorm_backward(d_resid_rows, d_norm2, mid_rows, weights_.layers[layer].post_norm,
+                            act(Act::norm2_rstd), true);
+  memory_.free(d_norm2);
 }
 
 void LlamaStep::layer_backward(int layer, LayerState& s, const Tensor& d_resid, uint64_t seed) {
@@ -224,21 +304,33 @@ void LlamaStep::layer_backward(int layer, LayerState& s, const Tensor& d_resid, 
   const DType cd = options_.compute_dtype;
   const AttentionDims dims = attention_dims();
 
-  // MLP. d_resid is the grad of the layer output, which is also the grad of the down proj.
-  Tensor d_swiglu = memory_.alloc(prefix + "d_swiglu", transient, cd, act(Act::swiglu_out).shape);
-  linear_backward(layer, Projection::down, d_resid, act(Act::swiglu_out), lora_u(Projection::down), d_swiglu, false, seed);
-  // gate/up are not needed after this: their grads overwrite them in place.
-  backend_.swiglu_backward(act(Act::gate), act(Act::up), d_swiglu, act(Act::gate), act(Act::up));
-  memory_.free(d_swiglu);
-  Tensor d_norm2 = memory_.alloc(prefix + "d_norm2", transient, cd, act(Act::norm2_out).shape);
-  linear_backward(layer, Projection::gate, act(Act::gate), act(Act::norm2_out), lora_u(Projection::gate), d_norm2, false, seed);
-  linear_backward(layer, Projection::up, act(Act::up), act(Act::norm2_out), lora_u(Projection::up), d_norm2, true, seed);
-  backend_.rmsnorm_backward(d_resid, d_norm2, act(Act::mid), w.post_norm, act(Act::norm2_rstd), true);
-  memory_.free(d_norm2);
+  // norm2 + MLP. d_resid is the grad of the layer output, and so of the down projection; it
+  // becomes the grad of mid. Both are row-wise, so a chunk of rows back-propagates on its own.
+  const int64_t chunk_rows = mlp_chunk_rows(true);
+  if (chunk_rows == 0) {
+    mlp_backward(layer, s, act(Act::mid), d_resid, 0, seed);
+  } else {
+    // The recompute stopped at mid: per chunk of token rows, recompute norm2, gate, up, swiglu
+    // and the down projection's LoRA input, then back-propagate them into the chunk's rows of
+    // d_resid. The LoRA grads accumulate over chunks as they do over micro-batches.
+    MT_ASSERT(act(Act::gate).empty(), "a chunked MLP backward after a whole-MLP forward");
+    for (int64_t begin = 0; begin < tokens_; begin += chunk_rows) {
+      const int64_t end = std::min(tokens_, begin + chunk_rows);
+      const Tensor mid_rows = act(Act::mid).slice_rows(begin, end);
+      LayerState chunk;
+      mlp_forward(layer, mid_rows, begin, chunk, transient, seed, true, /*keep_lora_u=*/true);
+      if (lora_.find(layer, Projection::down) != nullptr)
+        chunk.lora_u[static_cast<int>(Projection::down)] = lora_input_projection(
+            layer, Projection::down, chunk.acts[static_cast<int>(Act::swiglu_out)], begin,
+            transient, seed, true);
+      mlp_backward(layer, chunk, mid_rows, d_resid.slice_rows(begin, end), begin, seed);
+      free_layer(chunk, /*keep_input=*/false);
+    }
+  }
 
   // Attention. d_resid is now the grad of mid, and so of the o projection's output.
   Tensor d_attn = memory_.alloc(prefix + "d_attn_out", transient, cd, act(Act::attn_out).shape);
-  linear_backward(layer, Projection::o, d_resid, act(Act::attn_out), lora_u(Projection::o), d_attn, false, seed);
+  linear_backward(layer, Projection::o, d_resid, act(Act::attn_out), 0, lora_u(Projection::o), d_attn, false, seed);
   Tensor dq = memory_.alloc(prefix + "dq", transient, cd, act(Act::q).shape);
   Tensor dk = memory_.alloc(prefix + "dk", transient, cd, act(Act::k).shape);
   Tensor dv = memory_.alloc(prefix + "dv", transient, cd, act(Act::v).shape);
@@ -263,9 +355,9 @@ void LlamaStep::layer_backward(int layer, LayerState& s, const Tensor& d_resid, 
   backend_.rope_backward(dq, batch_.positions, inv_freq_, config_.head_dim);
   backend_.rope_backward(dk, batch_.positions, inv_freq_, config_.head_dim);
   Tensor d_norm1 = memory_.alloc(prefix + "d_norm1", transient, cd, act(Act::norm1_out).shape);
-  linear_backward(layer, Projection::q, dq, act(Act::norm1_out), lora_u(Projection::q), d_norm1, false, seed);
-  linear_backward(layer, Projection::k, dk, act(Act::norm1_out), lora_u(Projection::k), d_norm1, true, seed);
-  linear_backward(layer, Projection::v, dv, act(Act::norm1_out), lora_u(Projection::v), d_norm1, true, seed);
+  linear_backward(layer, Projection::q, dq, act(Act::norm1_out), 0, lora_u(Projection::q), d_norm1, false, seed);
+  linear_backward(layer, Projection::k, dk, act(Act::norm1_out), 0, lora_u(Projection::k), d_norm1, true, seed);
+  linear_backward(layer, Projection::v, dv, act(Act::norm1_out), 0, lora_u(Projection::v), d_norm1, true, seed);
   memory_.free(dv);
   memory_.free(dk);
   memory_.free(dq);

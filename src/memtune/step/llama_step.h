@@ -11,6 +11,14 @@
 // rmsnorm: y = w * x r, r = rsqrt(mean(x^2) + eps): dx = r (w dy) - x r^3 mean(x w dy)
 // swiglu:  s = g sigmoid(g) u: dg = ds u sigmoid(g) (1 + g (1 - sigmoid(g))), du = ds silu(g)
 // The loss fuses the LM head with cross-entropy over chunks of tokens (full = one chunk).
+//
+// Memory (the backward's peak is the MLP's: gate, up and swiglu_out are [N, intermediate]):
+// linear_backward reads its input x only before it writes dx, so the down projection's input grad
+// overwrites swiglu_out in place, and swiglu's grads overwrite gate and up. Where the MLP's
+// activations are not kept for a backward (gradient checkpointing, and eval), norm2 and the MLP
+// run over chunks of mlp_chunk_tokens token rows: every op there is row-wise, so the forward is
+// the same numbers, and with checkpointing the recompute stops at mid and the backward recomputes
+// and back-propagates norm2 + MLP one chunk at a time, accumulating the LoRA grads over chunks.
 #pragma once
 
 #include <array>
@@ -33,6 +41,9 @@ struct StepOptions {
   LossImpl loss = LossImpl::full;
   int64_t loss_chunk_tokens = 512;   // for LossImpl::chunked
   bool gradient_checkpointing = false;  // save layer inputs only; recompute in backward
+  // Token rows per MLP chunk where the MLP's activations are not saved (checkpointing, eval);
+  // 0 = the whole micro-batch at once.
+  int64_t mlp_chunk_tokens = 0;
   int64_t micro_batch = 1, seq = 0;
 };
 
@@ -67,23 +78,44 @@ class LlamaStep {
   };
 
   Tensor alloc_act(Act id, int layer, MemCategory category);
+  // A per-token activation for `rows` token rows only (a chunk of the MLP).
+  Tensor alloc_act_rows(Act id, int layer, MemCategory category, int64_t rows);
   void free_layer(LayerState& state, bool keep_input);
   MemCategory saved_category(bool recompute) const;
+  // Token rows per MLP chunk in a pass that trains (or not); 0: the MLP runs whole.
+  int64_t mlp_chunk_rows(bool training) const;
   // Runs layer `layer` on state.acts[layer_input]; returns the layer output (allocated saved).
+  // A recompute (checkpointing) stops at mid when the MLP is chunked: the backward recomputes
+  // norm2 and the MLP chunk by chunk.
   Tensor layer_forward(int layer, LayerState& state, bool recompute, uint64_t dropout_seed,
                        bool training);
   void layer_backward(int layer, LayerState& state, const Tensor& d_resid, uint64_t dropout_seed);
+  // norm2 and the MLP up to swiglu_out (gate and up with their LoRA u, kept in mlp.lora_u when
+  // keep_lora_u) for the token rows mid_rows, which start at row first_row of the layer, into
+  // mlp.acts: the layer's own state for the whole MLP, or a chunk's.
+  void mlp_forward(int layer, const Tensor& mid_rows, int64_t first_row, LayerState& mlp,
+                   MemCategory category, uint64_t dropout_seed, bool training, bool keep_lora_u);
+  // Back through down, swiglu, gate, up and norm2 for those rows: d_resid_rows (the grad of the
+  // layer output's rows) += the grad through the MLP, making it the grad of mid's rows. The
+  // grads overwrite mlp's activations in place (swiglu_out takes d_swiglu, gate/up theirs).
+  void mlp_backward(int layer, LayerState& mlp, const Tensor& mid_rows, const Tensor& d_resid_rows,
+                    int64_t first_row, uint64_t dropout_seed);
   // The dense [out, in] weight of a projection: the stored one, or (4-bit base) a dequantized
   // copy in planned scratch, given back with release_frozen_weight.
   Tensor frozen_weight(int layer, Projection p);
   void release_frozen_weight(int layer, Projection p, const Tensor& w);
-  // u = drop(x) A^T for the adapter on (layer, p).
-  Tensor lora_input_projection(int layer, Projection p, const Tensor& x, MemCategory u_category,
-                               uint64_t dropout_seed, bool training);
-  void linear_forward(int layer, Projection p, const Tensor& x, const Tensor& y, Tensor* lora_u,
-                      MemCategory u_category, uint64_t dropout_seed, bool training);
+  // The projections take x as rows of the layer's [N, in] input starting at row first_row (0 for
+  // the whole input, the chunk's first row in a chunked MLP): the LoRA dropout masks element
+  // (first_row + i, j) of the whole input, so chunking does not change the mask.
+  // u = drop(x) A^T [x rows, r] for the adapter on (layer, p).
+  Tensor lora_input_projection(int layer, Projection p, const Tensor& x, int64_t first_row,
+                               MemCategory u_category, uint64_t dropout_seed, bool training);
+  void linear_forward(int layer, Projection p, const Tensor& x, int64_t first_row, const Tensor& y,
+                      Tensor* lora_u, MemCategory u_category, uint64_t dropout_seed, bool training);
+  // dx (+)= d/dx, and the adapter's grads += theirs. Everything that reads x happens before dx
+  // is written, so dx may alias x when accumulate is false (x is dead afterwards).
   void linear_backward(int layer, Projection p, const Tensor& dy, const Tensor& x,
-                       const Tensor& lora_u, const Tensor& dx, bool accumulate,
+                       int64_t first_row, const Tensor& lora_u, const Tensor& dx, bool accumulate,
                        uint64_t dropout_seed);
   // Final norm + LM head + cross-entropy; with d_resid given, also its backward into it.
   void loss_and_head(const Tensor& last_hidden, float loss_grad_scale, const Tensor* d_resid);

@@ -23,6 +23,9 @@ struct RunConfig {
   std::string loss_implementation = "full";   // full | chunked
   int64_t loss_chunk_tokens = 512;
   bool gradient_checkpointing = false;
+  // Token rows per chunk of the MLP where its activations are not saved (with checkpointing the
+  // backward recomputes the MLP chunk by chunk); 0 = no chunking. Same math (LoRA dropout too).
+  int64_t mlp_chunk_tokens = 1024;
   int64_t per_device_train_batch_size = 1;
   int64_t gradient_accumulation_steps = 1;
   int64_t max_seq_length = 256;

@@ -32,6 +32,7 @@ void apply_run_yaml(const std::filesystem::path& path, RunConfig& run) {
       {"attn_implementation", set(run.attn_implementation)},
       {"loss_implementation", set(run.loss_implementation)},
       {"loss_chunk_tokens", set(run.loss_chunk_tokens)},
+      {"mlp_chunk_tokens", set(run.mlp_chunk_tokens)},
       {"per_device_train_batch_size", set(run.per_device_train_batch_size)},
       {"gradient_accumulation_steps", set(run.gradient_accumulation_steps)},
       {"max_seq_length", set(run.max_seq_length)},

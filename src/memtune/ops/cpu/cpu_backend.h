@@ -8,7 +8,7 @@
 //
 // The ops are defined one family per file: cpu_backend.cpp (memory, elementwise, sum_squares),
 // matmul.cpp, embedding.cpp, norm.cpp, rope.cpp, swiglu.cpp, attention_eager.cpp,
-// attention_flash.cpp, cross_entropy.cpp, dropout.cpp, adamw.cpp.
+// attention_flash.cpp, attention_decode.cpp, cross_entropy.cpp, dropout.cpp, adamw.cpp.
 #pragma once
 
 #include <cstdint>
@@ -66,6 +66,9 @@ class CpuBackend final : public Backend {
                                 const Tensor& d_out, const Tensor& out, const Tensor& lse,
                                 const Tensor& q, const Tensor& k, const Tensor& v,
                                 const Tensor& segments, const AttentionDims& dims) override;
+  // attention_decode.cpp
+  void attention_decode(const Tensor& out, const Tensor& q, const Tensor& k_cache,
+                        const Tensor& v_cache, const AttentionDims& dims) override;
 
   void cross_entropy_forward_backward(const Tensor& loss_sum, const Tensor& d_logits,
                                       const Tensor& logits, const Tensor& targets,
@@ -73,7 +76,8 @@ class CpuBackend final : public Backend {
   void cross_entropy_forward(const Tensor& loss_sum, const Tensor& logits,
                              const Tensor& targets) override;
 
-  void dropout(const Tensor& out, const Tensor& x, float p, uint64_t seed) override;
+  void dropout(const Tensor& out, const Tensor& x, float p, uint64_t seed,
+               uint64_t index_offset) override;
 
   void sum_squares(const Tensor& acc, const Tensor& x) override;
   void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& exp_avg,

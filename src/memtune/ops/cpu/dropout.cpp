@@ -1,5 +1,6 @@
-// LoRA dropout: out = x * keep / (1 - p), keep = dropout_keep(seed, flat element index, p)
-// (backend.h), so the backward's call with the same seed, on any backend, has the same mask.
+// LoRA dropout: out = x * keep / (1 - p), keep = dropout_keep(seed, index_offset + flat element
+// index, p) (backend.h), so the backward's call with the same seed, on any backend, has the same
+// mask, and a row slice with its offset has the mask of the whole tensor.
 #include <algorithm>
 #include <vector>
 
@@ -7,7 +8,8 @@
 
 namespace memtune {
 
-void CpuBackend::dropout(const Tensor& out, const Tensor& x, float p, uint64_t seed) {
+void CpuBackend::dropout(const Tensor& out, const Tensor& x, float p, uint64_t seed,
+                         uint64_t index_offset) {
   cpu::check_float_tensor(out, "dropout out");
   cpu::check_float_tensor(x, "dropout x");
   MT_ASSERT(out.numel() == x.numel(), "dropout out {} for x {}", out.shape.str(), x.shape.str());
@@ -28,7 +30,7 @@ void CpuBackend::dropout(const Tensor& out, const Tensor& x, float p, uint64_t s
       const int64_t offset = c * kChunk, count = std::min(kChunk, n - offset);
       cpu::load_f32(x, offset, count, values.data());
       for (int64_t i = 0; i < count; ++i)
-        values[i] = dropout_keep(seed, static_cast<uint64_t>(offset + i), p)
+        values[i] = dropout_keep(seed, index_offset + static_cast<uint64_t>(offset + i), p)
                         ? values[i] / keep_divisor
                         : 0.0f;
       cpu::store_f32(out, offset, count, values.data());

@@ -451,6 +451,48 @@ void CudaBackend::attention_flash_backward(const Tensor& dq, const Tensor& dk, c
   cuda::attention_flash_backward(p, t, stream_);
 }
 
+// ---- attention_decode (attention_decode.cu) ----
+void CudaBackend::attention_decode(const Tensor& out, const Tensor& q, const Tensor& k_cache,
+                                   const Tensor& v_cache, const AttentionDims& dims) {
+  check_float_tensor(out, "attention_decode out");
+  check_float_tensor(q, "attention_decode q");
+  check_float_tensor(k_cache, "attention_decode k_cache");
+  check_float_tensor(v_cache, "attention_decode v_cache");
+  MT_ASSERT(dims.batch > 0 && dims.seq > 0 && dims.scale > 0.0f, "attention_decode: dims not set");
+  MT_ASSERT(dims.head_dim > 0 && dims.head_dim <= 256, "attention_decode: head_dim {} (1..256)",
+            dims.head_dim);
+  MT_ASSERT(dims.n_heads > 0 && dims.n_kv_heads > 0 && dims.n_heads % dims.n_kv_heads == 0,
+            "attention_decode: {} query heads not a multiple of {} kv heads", dims.n_heads,
+            dims.n_kv_heads);
+  const int64_t kv_width = dims.n_kv_heads * dims.head_dim;
+  MT_ASSERT(q.numel() == dims.batch * dims.n_heads * dims.head_dim && out.numel() == q.numel(),
+            "attention_decode q {} / out {} vs batch {} x {} heads x {}", q.shape.str(),
+            out.shape.str(), dims.batch, dims.n_heads, dims.head_dim);
+  MT_ASSERT(k_cache.numel() == v_cache.numel() && k_cache.numel() % (dims.batch * kv_width) == 0,
+            "attention_decode k_cache {} / v_cache {} vs batch {} x kv width {}",
+            k_cache.shape.str(), v_cache.shape.str(), dims.batch, kv_width);
+  cuda::AttentionDecodeArgs a;
+  a.batch = dims.batch;
+  a.n_heads = dims.n_heads;
+  a.n_kv_heads = dims.n_kv_heads;
+  a.head_dim = dims.head_dim;
+  a.kv_len = dims.seq;
+  a.capacity = k_cache.numel() / (dims.batch * kv_width);
+  MT_ASSERT(a.kv_len <= a.capacity, "attention_decode: {} cached rows in a cache of {}", a.kv_len,
+            a.capacity);
+  a.scale = dims.scale;
+  a.q = q.data;
+  a.k_cache = k_cache.data;
+  a.v_cache = v_cache.data;
+  a.out = out.data;
+  a.q_type = q.dtype;
+  a.k_type = k_cache.dtype;
+  a.v_type = v_cache.dtype;
+  a.out_type = out.dtype;
+  cuda::attention_decode(a, stream_);
+}
+// ---- end attention_decode ----
+
 // ---- loss, dropout, optimizer ---------------------------------------------------------------------
 
 namespace {
@@ -488,7 +530,8 @@ void CudaBackend::cross_entropy_forward(const Tensor& loss_sum, const Tensor& lo
                              logits.cols(), 1.0f, reduction_scratch_, stream_);
 }
 
-void CudaBackend::dropout(const Tensor& out, const Tensor& x, float p, uint64_t seed) {
+void CudaBackend::dropout(const Tensor& out, const Tensor& x, float p, uint64_t seed,
+                          uint64_t index_offset) {
   check_float_tensor(out, "dropout out");
   check_float_tensor(x, "dropout x");
   check_same_count(out, x, "dropout");
@@ -497,7 +540,8 @@ void CudaBackend::dropout(const Tensor& out, const Tensor& x, float p, uint64_t 
     convert(out, x);
     return;
   }
-  cuda::launch_dropout(out.data, out.dtype, x.data, x.dtype, x.numel(), p, seed, stream_);
+  cuda::launch_dropout(out.data, out.dtype, x.data, x.dtype, x.numel(), p, seed, index_offset,
+                       stream_);
 }
 
 void CudaBackend::adamw_step(const Tensor& param, const Tensor& grad, const Tensor& exp_avg,

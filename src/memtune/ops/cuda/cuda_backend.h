@@ -78,13 +78,19 @@ class CudaBackend final : public Backend {
                                 const Tensor& q, const Tensor& k, const Tensor& v,
                                 const Tensor& segments, const AttentionDims& dims) override;
 
+  // ---- attention_decode (attention_decode.cu) ----
+  void attention_decode(const Tensor& out, const Tensor& q, const Tensor& k_cache,
+                        const Tensor& v_cache, const AttentionDims& dims) override;
+  // ---- end attention_decode ----
+
   void cross_entropy_forward_backward(const Tensor& loss_sum, const Tensor& d_logits,
                                       const Tensor& logits, const Tensor& targets,
                                       float grad_scale) override;
   void cross_entropy_forward(const Tensor& loss_sum, const Tensor& logits,
                              const Tensor& targets) override;
 
-  void dropout(const Tensor& out, const Tensor& x, float p, uint64_t seed) override;
+  void dropout(const Tensor& out, const Tensor& x, float p, uint64_t seed,
+               uint64_t index_offset) override;
 
   void sum_squares(const Tensor& acc, const Tensor& x) override;
   void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& exp_avg,

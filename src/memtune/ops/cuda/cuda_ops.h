@@ -136,14 +136,31 @@ void attention_flash_backward(const AttentionParams& p, const FlashTensors& t,
 bool attention_flash_uses_tensor_cores(const AttentionParams& p, const FlashTensors& t,
                                        bool backward);
 
+// ---- attention_decode (attention_decode.cu) ----
+// One query per sequence against its cache: q, out [batch, n_heads * head_dim]; k_cache, v_cache
+// [batch, capacity, n_kv_heads * head_dim], rows [0, kv_len) attended (1 <= kv_len <= capacity),
+// head_dim <= 256. Any float dtype for each tensor; fp32 math.
+struct AttentionDecodeArgs {
+  int64_t batch = 0, n_heads = 0, n_kv_heads = 0, head_dim = 0, kv_len = 0, capacity = 0;
+  float scale = 0.0f;
+  const void* q = nullptr;
+  const void* k_cache = nullptr;
+  const void* v_cache = nullptr;
+  void* out = nullptr;
+  DType q_type = DType::bf16, k_type = DType::bf16, v_type = DType::bf16, out_type = DType::bf16;
+};
+void attention_decode(const AttentionDecodeArgs& args, cudaStream_t stream);
+// ---- end attention_decode ----
+
 // ---- loss, dropout, optimizer ---------------------------------------------------------------------
 // row_losses: f32 scratch of at least min(rows, kMaxPartials) floats.
 void launch_cross_entropy(float* loss_sum, void* d_logits, DType d_logits_type,
                           const void* logits, DType logits_type, const int32_t* targets,
                           int64_t rows, int64_t vocab, float grad_scale, float* row_losses,
                           cudaStream_t stream);
+// Element i of x is masked as element index_offset + i (a row slice of a larger tensor).
 void launch_dropout(void* out, DType out_type, const void* x, DType x_type, int64_t n, float p,
-                    uint64_t seed, cudaStream_t stream);
+                    uint64_t seed, uint64_t index_offset, cudaStream_t stream);
 struct AdamWScalars {
   float decay_factor, avg_weight, beta2, sq_weight, bias_correction2_sqrt, neg_step_size, eps,
       grad_scale;

@@ -1,0 +1,211 @@
+// The token-chunked MLP (mlp_chunk_tokens): where the MLP's activations are not saved
+// (checkpointing, eval) norm2 + MLP run over chunks of token rows. Every op there is row-wise, so
+// the forward is the same bits and the LoRA grads differ only by the order of their sums over
+// tokens; the LoRA dropout mask is indexed by the row within the whole layer (dropout's
+// index_offset), so it is the same mask too. And the plan's peak shrinks.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+
+#include "memtune/core/error.h"
+#include "memtune/model/llama_config.h"
+#include "memtune/ops/backend.h"
+#include "memtune/train/engine_arena.h"
+#include "memtune/train/yaml_config.h"
+
+using namespace memtune;
+
+namespace {
+
+constexpr int64_t kBatch = 2, kSeq = 24, kTokens = kBatch * kSeq;
+
+LlamaConfig small_model() {
+  LlamaConfig c = resolve_model("tiny").config;
+  c.num_hidden_layers = 2;
+  c.vocab_size = 300;
+  return c;
+}
+
+RunConfig small_run() {
+  RunConfig run;
+  run.per_device_train_batch_size = kBatch;
+  run.max_seq_length = kSeq;
+  run.lora_r = 4;
+  run.lora_alpha = 8;
+  run.gradient_checkpointing = true;
+  return run;
+}
+
+std::vector<HostMicroBatch> random_batches(const LlamaConfig& model, const RunConfig& run, int count, uint64_t seed) {
+  std::vector<HostMicroBatch> out;
+  for (int m = 0; m < count; ++m) {
+    std::vector<std::vector<int32_t>> ids(run.per_device_train_batch_size);
+    for (size_t r = 0; r < ids.size(); ++r) {
+      const int64_t len = run.max_seq_length - static_cast<int64_t>(r) * 5;  // some padding
+      for (int64_t t = 0; t < len; ++t)
+        ids[r].push_back(static_cast<int32_t>(dropout_hash(seed, m * 10000 + r * 100 + t) % model.vocab_size));
+    }
+    out.push_back(make_micro_batch(ids, ids, run.max_seq_length));
+  }
+  return out;
+}
+
+struct StepResult {
+  double loss;       // of the training step (its forward)
+  double eval_loss;  // eval_loss_sum after the step
+  std::vector<float> grads;
+};
+
+// One step of two micro-batches (the grads accumulate across both, and across chunks), with a
+// non-zero B so that every LoRA grad is non-zero (the same values for every variant). The grads
+// stay in place after the step until the next one zeroes them.
+StepResult one_step(const RunConfig& run, const LlamaConfig& model) {
+  auto cpu = make_cpu_backend();
+  PlannedEngine engine(*cpu, run, model);
+  engine->init_random_weights(7);
+  engine->init_adapters(11);
+  for (const LoraTensors& t : engine->lora().tensors())
+    cpu->fill_random(t.b, Backend::Distribution::normal, 0.0f, 0.05f, 3);
+  engine->lora().sync_compute_copies(*cpu);
+  const StepReport report = engine->train_step(random_batches(model, run, 2, 5));
+  EXPECT_FALSE(report.skipped);
+  StepResult result{report.loss, engine->eval_loss_sum(random_batches(model, run, 1, 6)[0]).first, {}};
+  for (const LoraTensors& t : engine->lora().tensors())
+    for (const Tensor* g : {&t.grad_a, &t.grad_b}) {
+      std::vector<float> host(g->numel());
+      cpu->copy_to_host(host.data(), *g);
+      result.grads.insert(result.grads.end(), host.begin(), host.end());
+    }
+  // The planned arena is the one the chunked step allocates, record by record.
+  EXPECT_EQ(engine->memory().verify_against(engine.plan().records), "");
+  EXPECT_EQ(engine->memory().allocator().high_water(), engine.plan().arena_bytes);
+  return result;
+}
+
+double rel_error(const std::vector<float>& a, const std::vector<float>& b) {
+  double d = 0, r = 0;
+  for (size_t i = 0; i < a.size(); ++i) d += (double(a[i]) - b[i]) * (double(a[i]) - b[i]), r += double(b[i]) * b[i];
+  return std::sqrt(d / r);
+}
+
+TEST(MlpChunking, DropoutOfARowSliceWithItsOffsetIsThatSliceOfTheWholeMask) {
+  auto cpu = make_cpu_backend();
+  const int64_t rows = 9, cols = 37;
+  std::vector<float> x(rows * cols), whole(rows * cols), slice_out(rows * cols);
+  for (size_t i = 0; i < x.size(); ++i) x[i] = 1.0f + static_cast<float>(i % 13);
+  const Tensor x_view{x.data(), DType::f32, Shape{rows, cols}, Device::cpu};
+  cpu->dropout(Tensor{whole.data(), DType::f32, Shape{rows, cols}, Device::cpu}, x_view, 0.3f, 99, 0);
+  const Tensor out_view{slice_out.data(), DType::f32, Shape{rows, cols}, Device::cpu};
+  for (int64_t begin = 0; begin < rows; begin += 4) {
+    const int64_t end = std::min(rows, begin + 4);
+    cpu->dropout(out_view.slice_rows(begin, end), x_view.slice_rows(begin, end), 0.3f, 99,
+                 static_cast<uint64_t>(begin * cols));
+  }
+  EXPECT_EQ(slice_out, whole);
+  int64_t dropped = 0;
+  for (float v : whole) dropped += v == 0.0f;
+  EXPECT_GT(dropped, 0);
+}
+
+TEST(MlpChunking, ChunkedStepEqualsTheWholeMlpStep) {
+  const LlamaConfig model = small_model();
+  for (const char* attn : {"eager", "flash"}) {
+    for (const double dropout : {0.0, 0.1}) {
+      RunConfig whole_run = small_run();
+      whole_run.attn_implementation = attn;
+      whole_run.lora_dropout = dropout;
+      whole_run.mlp_chunk_tokens = 0;
+      const StepResult whole = one_step(whole_run, model);
+      // Without checkpointing the MLP is saved whole (and eval chunks): the same step.
+      RunConfig saved_run = whole_run;
+      saved_run.gradient_checkpointing = false;
+      saved_run.mlp_chunk_tokens = 7;
+      const StepResult saved = one_step(saved_run, model);
+      EXPECT_EQ(saved.loss, whole.loss) << attn << " dropout " << dropout;
+      EXPECT_LT(rel_error(saved.grads, whole.grads), 1e-5) << attn << " dropout " << dropout;
+      // 7 leaves a short last chunk; kTokens and more are one chunk.
+      for (const int64_t chunk : {int64_t{7}, int64_t{16}, kTokens, int64_t{1024}}) {
+        RunConfig run = whole_run;
+        run.mlp_chunk_tokens = chunk;
+        const StepResult got = one_step(run, model);
+        const std::string what = fmt::format("{} dropout {} chunk {}", attn, dropout, chunk);
+        // Row-wise ops and a dropout mask indexed within the whole layer: the very same forward.
+        EXPECT_EQ(got.loss, whole.loss) << what;
+        EXPECT_EQ(got.eval_loss, whole.eval_loss) << what;
+        EXPECT_LT(rel_error(got.grads, whole.grads), 1e-5) << what;
+      }
+    }
+  }
+}
+
+TEST(MlpChunking, DropoutIsActiveSoTheMaskComparisonMeansSomething) {
+  const LlamaConfig model = small_model();
+  RunConfig run = small_run();
+  run.mlp_chunk_tokens = 7;
+  const StepResult without = one_step(run, model);
+  run.lora_dropout = 0.1;
+  const StepResult with = one_step(run, model);
+  // A mask that shifted between forward and backward, or between chunks, would move the grads
+  // by about as much as dropout itself does.
+  EXPECT_GT(rel_error(with.grads, without.grads), 1e-2);
+}
+
+TEST(MlpChunking, QloraChunkedStepIsCloseToTheWholeMlpStep) {
+  const LlamaConfig model = small_model();
+  RunConfig run = small_run();
+  run.precision = Precision::bf16;
+  run.load_in_4bit = true;
+  run.attn_implementation = "flash";
+  run.lora_dropout = 0.1;
+  run.mlp_chunk_tokens = 0;
+  const StepResult whole = one_step(run, model);
+  run.mlp_chunk_tokens = 16;
+  const StepResult got = one_step(run, model);
+  EXPECT_EQ(got.loss, whole.loss);
+  // The LoRA grads accumulate in fp32; only the order of the sum over tokens changed.
+  EXPECT_LT(rel_error(got.grads, whole.grads), 1e-5);
+}
+
+TEST(MlpChunking, ChunkingShrinksThePlanWhereTheMlpDominates) {
+  LlamaConfig model = small_model();
+  model.intermediate_size = 16 * model.hidden_size;
+  RunConfig run = small_run();
+  run.max_seq_length = 128;
+  run.loss_implementation = "chunked";
+  run.loss_chunk_tokens = 32;
+  for (const char* attn : {"eager", "flash"}) {
+    run.attn_implementation = attn;
+    run.mlp_chunk_tokens = 0;
+    const uint64_t whole = plan_run(run, model, Device::cpu).arena_bytes;
+    run.mlp_chunk_tokens = 32;
+    const uint64_t chunked = plan_run(run, model, Device::cpu).arena_bytes;
+    // gate, up and swiglu_out of [256, 2048] fp32 are 2 MiB each: at 32 rows they are 8x smaller.
+    EXPECT_LT(chunked + 4 * (uint64_t{1} << 20), whole) << attn << ": " << chunked << " vs " << whole;
+    // Without checkpointing the backward needs the whole MLP anyway: chunking changes nothing
+    // (eval chunks too, but its peak is below the training step's).
+    RunConfig saved = run;
+    saved.gradient_checkpointing = false;
+    saved.mlp_chunk_tokens = 0;
+    const uint64_t saved_whole = plan_run(saved, model, Device::cpu).arena_bytes;
+    saved.mlp_chunk_tokens = 32;
+    EXPECT_EQ(plan_run(saved, model, Device::cpu).arena_bytes, saved_whole) << attn;
+  }
+}
+
+TEST(MlpChunking, OptionIsValidatedAndReadFromYaml) {
+  RunConfig run;
+  EXPECT_EQ(run.mlp_chunk_tokens, 1024);
+  EXPECT_EQ(run.step_options().mlp_chunk_tokens, 1024);
+  run.mlp_chunk_tokens = -1;
+  EXPECT_THROW(run.validate(), memtune::Error);
+  const std::filesystem::path yaml = std::filesystem::path(MEMTUNE_BINARY_DIR) / "test_mlp_chunk_tokens.yaml";
+  std::ofstream(yaml) << "gradient_checkpointing: true\nmlp_chunk_tokens: 0\n";
+  RunConfig from_yaml;
+  apply_run_yaml(yaml, from_yaml);
+  EXPECT_EQ(from_yaml.mlp_chunk_tokens, 0);
+  EXPECT_EQ(from_yaml.step_options().mlp_chunk_tokens, 0);
+}
+
+}  // namespace
