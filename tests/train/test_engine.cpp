@@ -90,29 +90,33 @@ TEST(Engine, PlannedArenaEqualsAllocatedAndNoLiveBuffersOverlap) {
   const LlamaConfig model = small_model();
   for (bool ckpt : {false, true}) {
     for (const char* attn : {"eager", "flash"}) {
-      RunConfig run = small_run();
-      run.gradient_checkpointing = ckpt;
-      run.attn_implementation = attn;
-      run.loss_implementation = ckpt ? "chunked" : "full";
-      run.loss_chunk_tokens = 7;
-      auto cpu = make_cpu_backend();
-      PlannedEngine engine(*cpu, run, model);
-      engine->init_random_weights(1);
-      engine->init_adapters(2);
-      engine->train_step(random_batches(model, run, 1, 3));
-      engine->eval_loss_sum(random_batches(model, run, 1, 4)[0]);
-      // The same sequence of allocations, at the same offsets, with the same peak.
-      EXPECT_EQ(engine->memory().verify_against(engine.plan().records), "");
-      EXPECT_EQ(engine->memory().allocator().high_water(), engine.plan().arena_bytes);
-      // No two buffers alive at the same time share a byte.
-      const auto& records = engine.plan().records;
-      for (size_t i = 0; i < records.size(); ++i) {
-        const int64_t end_i = records[i].freed_at < 0 ? INT64_MAX : records[i].freed_at;
-        for (size_t j = i + 1; j < records.size(); ++j) {
-          if (records[j].allocated_at >= end_i) break;  // i was freed before j was made
-          const bool disjoint = records[i].offset + records[i].bytes <= records[j].offset ||
-                                records[j].offset + records[j].bytes <= records[i].offset;
-          ASSERT_TRUE(disjoint) << records[i].name << " and " << records[j].name;
+      for (int64_t mlp_chunk : {0, 7}) {  // 7: the chunked MLP (eval, and the checkpointed step)
+        RunConfig run = small_run();
+        run.lora_dropout = mlp_chunk > 0 ? 0.1 : 0.0;  // and dropout's scratch, chunk-sized
+        run.gradient_checkpointing = ckpt;
+        run.attn_implementation = attn;
+        run.loss_implementation = ckpt ? "chunked" : "full";
+        run.loss_chunk_tokens = 7;
+        run.mlp_chunk_tokens = mlp_chunk;
+        auto cpu = make_cpu_backend();
+        PlannedEngine engine(*cpu, run, model);
+        engine->init_random_weights(1);
+        engine->init_adapters(2);
+        engine->train_step(random_batches(model, run, 1, 3));
+        engine->eval_loss_sum(random_batches(model, run, 1, 4)[0]);
+        // The same sequence of allocations, at the same offsets, with the same peak.
+        EXPECT_EQ(engine->memory().verify_against(engine.plan().records), "");
+        EXPECT_EQ(engine->memory().allocator().high_water(), engine.plan().arena_bytes);
+        // No two buffers alive at the same time share a byte.
+        const auto& records = engine.plan().records;
+        for (size_t i = 0; i < records.size(); ++i) {
+          const int64_t end_i = records[i].freed_at < 0 ? INT64_MAX : records[i].freed_at;
+          for (size_t j = i + 1; j < records.size(); ++j) {
+            if (records[j].allocated_at >= end_i) break;  // i was freed before j was made
+            const bool disjoint = records[i].offset + records[i].bytes <= records[j].offset ||
+                                  records[j].offset + records[j].bytes <= records[i].offset;
+            ASSERT_TRUE(disjoint) << records[i].name << " and " << records[j].name;
+          }
         }
       }
     }

@@ -408,7 +408,7 @@ int run_cli(int argc, char** argv) {
     if (ladder_cmd->count("--per_device_train_batch_size") == 0) run.per_device_train_batch_size = 2;
     if (ladder_cmd->count("--gradient_accumulation_steps") == 0) run.gradient_accumulation_steps = 8;
     if (ladder_cmd->count("--max_seq_length") == 0) run.max_seq_length = tiny ? 256 : 2048;
-    if (ladder_cmd->count("--loss_chunk_tokens") == 0) run.loss_chunk_tokens = tiny ? 128 : 1024;
+    if (ladder_cmd->count("--loss_chunk_tokens") == 0) run.loss_chunk_tokens = tiny ? 128 : 256;
     LadderOptions options;
     options.base = run;
     options.device = device;

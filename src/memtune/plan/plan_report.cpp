@@ -14,6 +14,7 @@ nlohmann::json run_config_json(const RunConfig& run, const LlamaConfig& model) {
           {"attn_implementation", run.attn_implementation},
           {"loss_implementation", run.loss_implementation},
           {"loss_chunk_tokens", run.loss_chunk_tokens},
+          {"mlp_chunk_tokens", run.mlp_chunk_tokens},
           {"gradient_checkpointing", run.gradient_checkpointing},
           {"per_device_train_batch_size", run.per_device_train_batch_size},
           {"gradient_accumulation_steps", run.gradient_accumulation_steps},

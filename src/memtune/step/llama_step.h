@@ -12,7 +12,7 @@
 // swiglu:  s = g sigmoid(g) u: dg = ds u sigmoid(g) (1 + g (1 - sigmoid(g))), du = ds silu(g)
 // The loss fuses the LM head with cross-entropy over chunks of tokens (full = one chunk).
 //
-// Memory (the backward's peak is the MLP's: gate, up and swiglu_out are [N, intermediate]):
+// Memory: gate, up and swiglu_out ([N, intermediate] each) are a layer's largest activations.
 // linear_backward reads its input x only before it writes dx, so the down projection's input grad
 // overwrites swiglu_out in place, and swiglu's grads overwrite gate and up. Where the MLP's
 // activations are not kept for a backward (gradient checkpointing, and eval), norm2 and the MLP
