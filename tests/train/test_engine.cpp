@@ -9,43 +9,15 @@
 #include "memtune/model/llama_config.h"
 #include "memtune/ops/backend.h"
 #include "memtune/train/engine_arena.h"
+#include "engine_test_util.h"
 
 using namespace memtune;
 
 namespace {
 
+using namespace enginetest;
+
 using HostTensorF32 = std::vector<float>;
-
-LlamaConfig small_model() {
-  LlamaConfig c = resolve_model("tiny").config;
-  c.num_hidden_layers = 2;
-  c.vocab_size = 300;
-  return c;
-}
-
-RunConfig small_run() {
-  RunConfig run;
-  run.per_device_train_batch_size = 2;
-  run.max_seq_length = 24;
-  run.lora_r = 4;
-  run.lora_alpha = 8;
-  run.learning_rate = 1e-2;
-  return run;
-}
-
-std::vector<HostMicroBatch> random_batches(const LlamaConfig& model, const RunConfig& run, int count, uint64_t seed) {
-  std::vector<HostMicroBatch> out;
-  for (int m = 0; m < count; ++m) {
-    std::vector<std::vector<int32_t>> ids(run.per_device_train_batch_size);
-    for (size_t r = 0; r < ids.size(); ++r) {
-      const int64_t len = run.max_seq_length - static_cast<int64_t>(r) * 5;  // some padding
-      for (int64_t t = 0; t < len; ++t)
-        ids[r].push_back(static_cast<int32_t>(dropout_hash(seed, m * 10000 + r * 100 + t) % model.vocab_size));
-    }
-    out.push_back(make_micro_batch(ids, ids, run.max_seq_length));
-  }
-  return out;
-}
 
 std::vector<float> all_grads(Engine& engine) {
   std::vector<float> out;

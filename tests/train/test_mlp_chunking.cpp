@@ -13,20 +13,17 @@
 #include "memtune/model/llama_config.h"
 #include "memtune/ops/backend.h"
 #include "memtune/train/engine_arena.h"
+#include "engine_test_util.h"
 #include "memtune/train/yaml_config.h"
 
 using namespace memtune;
 
 namespace {
 
-constexpr int64_t kBatch = 2, kSeq = 24, kTokens = kBatch * kSeq;
+using enginetest::random_batches;
+using enginetest::small_model;
 
-LlamaConfig small_model() {
-  LlamaConfig c = resolve_model("tiny").config;
-  c.num_hidden_layers = 2;
-  c.vocab_size = 300;
-  return c;
-}
+constexpr int64_t kBatch = 2, kSeq = 24, kTokens = kBatch * kSeq;
 
 RunConfig small_run() {
   RunConfig run;
@@ -36,20 +33,6 @@ RunConfig small_run() {
   run.lora_alpha = 8;
   run.gradient_checkpointing = true;
   return run;
-}
-
-std::vector<HostMicroBatch> random_batches(const LlamaConfig& model, const RunConfig& run, int count, uint64_t seed) {
-  std::vector<HostMicroBatch> out;
-  for (int m = 0; m < count; ++m) {
-    std::vector<std::vector<int32_t>> ids(run.per_device_train_batch_size);
-    for (size_t r = 0; r < ids.size(); ++r) {
-      const int64_t len = run.max_seq_length - static_cast<int64_t>(r) * 5;  // some padding
-      for (int64_t t = 0; t < len; ++t)
-        ids[r].push_back(static_cast<int32_t>(dropout_hash(seed, m * 10000 + r * 100 + t) % model.vocab_size));
-    }
-    out.push_back(make_micro_batch(ids, ids, run.max_seq_length));
-  }
-  return out;
 }
 
 struct StepResult {

@@ -18,28 +18,15 @@
 #include "memtune/model/llama_config.h"
 #include "memtune/ops/backend.h"
 #include "memtune/train/engine_arena.h"
+#include "engine_test_util.h"
 
 using namespace memtune;
 namespace fs = std::filesystem;
 
 namespace {
 
-LlamaConfig small_model() {
-  LlamaConfig c = resolve_model("tiny").config;
-  c.num_hidden_layers = 2;
-  c.vocab_size = 300;
-  return c;
-}
-
-RunConfig small_run() {
-  RunConfig run;
-  run.per_device_train_batch_size = 2;
-  run.max_seq_length = 24;
-  run.lora_r = 4;
-  run.lora_alpha = 8;
-  run.learning_rate = 1e-2;
-  return run;
-}
+using enginetest::small_model;
+using enginetest::small_run;
 
 fs::path tests_dir() { return fs::path(MEMTUNE_BINARY_DIR) / "trainer_tests"; }
 
