@@ -349,6 +349,18 @@ int run_cli(int argc, char** argv) {
   logits_cmd->add_option("--out", output.out, "output .safetensors: logits f32 [tokens, vocab], input_ids i32 [tokens]")->required();
   // ---- end merge, generate, logits ----
 
+  // ---- quantize ----
+  std::string quantize_model, quantize_out, quantize_type = "nf4", quantize_compute_dtype = "auto";
+  QuantConfig quantize_config;
+  CLI::App* quantize_cmd = app.add_subcommand("quantize", "write a bitsandbytes 4-bit Hugging Face folder (load it with --load_in_4bit)");
+  quantize_cmd->add_option("--model", quantize_model, "dense model folder (config.json + safetensors)")->required();
+  quantize_cmd->add_option("--out", quantize_out, "output folder, written atomically (an existing one is replaced only on success)")->required();
+  quantize_cmd->add_option("--bnb_4bit_quant_type", quantize_type, "nf4 | fp4")->capture_default_str();
+  quantize_cmd->add_option("--bnb_4bit_use_double_quant", quantize_config.double_quant, "true | false")->capture_default_str();
+  quantize_cmd->add_option("--bnb_4bit_blocksize", quantize_config.blocksize)->capture_default_str();
+  quantize_cmd->add_option("--bnb_4bit_compute_dtype", quantize_compute_dtype, "bf16 | f16 | f32 | auto (the base's dtype)")->capture_default_str();
+  // ---- end quantize ----
+
   // A run YAML (--config FILE) sets defaults that the flags then override.
   for (int i = 1; i + 1 < argc; ++i)
     if (std::string(argv[i]) == "--config") apply_run_yaml(argv[i + 1], run);
@@ -378,6 +390,19 @@ int run_cli(int argc, char** argv) {
   if (generate_cmd->parsed()) return run_generate(output);
   if (logits_cmd->parsed()) return run_logits(output);
   // ---- end merge, generate, logits ----
+
+  // ---- quantize ----
+  if (quantize_cmd->parsed()) {
+    quantize_config.type = parse_quant_type(quantize_type, "--bnb_4bit_quant_type");
+    QuantizeOptions options;
+    if (quantize_compute_dtype != "auto") options.compute_dtype = parse_float_dtype(quantize_compute_dtype, "--bnb_4bit_compute_dtype");
+    const QuantizeReport report = quantize_checkpoint(quantize_model, quantize_out, quantize_config, options);
+    std::cout << fmt::format("wrote {}: {} projections in {} (blocksize {}, double quant {}), {} weight file(s)\n",
+                             quantize_out, report.quantized_projections, quant_type_name(quantize_config.type),
+                             quantize_config.blocksize, quantize_config.double_quant, report.weight_files.size());
+    return 0;
+  }
+  // ---- end quantize ----
 
   resolve_run_flags(run, flags);
   const ModelSource source = resolve_model(run.model);

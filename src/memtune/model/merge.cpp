@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <set>
 
@@ -186,6 +187,15 @@ const SafetensorsTensor* BaseCheckpoint::dense(size_t index) const {
 std::vector<float> BaseCheckpoint::read_f32(size_t index) const {
   const ParamSpec& spec = table_[index];
   if (!quantized_[index]) return tensor_to_f32(*checkpoint_.find(spec.hf_key));
+  const QuantizedWeight weight = read_4bit(index);
+  std::vector<float> values(static_cast<size_t>(spec.shape.numel()));
+  dequantize_4bit(weight, values.data(), DType::f32);
+  return values;
+}
+
+QuantizedWeight BaseCheckpoint::read_4bit(size_t index) const {
+  const ParamSpec& spec = table_[index];
+  MT_ASSERT(quantized_[index], "BaseCheckpoint::read_4bit: {} is not 4-bit", spec.hf_key);
   std::map<std::string, NamedArray, std::less<>> arrays;
   const auto lookup = [&](std::string_view name) -> const NamedArray* {
     if (auto it = arrays.find(name); it != arrays.end()) return &it->second;
@@ -195,10 +205,7 @@ std::vector<float> BaseCheckpoint::read_f32(size_t index) const {
     return &arrays.emplace(std::string(name), std::move(array)).first->second;
   };
   const std::string prefix = spec.hf_key.substr(0, spec.hf_key.size() - std::string(".weight").size());
-  const QuantizedWeight weight = from_bnb_arrays(lookup, prefix, spec.shape);
-  std::vector<float> values(static_cast<size_t>(spec.shape.numel()));
-  dequantize_4bit(weight, values.data(), DType::f32);
-  return values;
+  return from_bnb_arrays(lookup, prefix, spec.shape);
 }
 
 void BaseCheckpoint::release(size_t index) const {
@@ -234,20 +241,62 @@ constexpr const char* kCompanionFiles[] = {
     "generation_config.json", "tokenizer.json",     "tokenizer_config.json", "special_tokens_map.json",
     "tokenizer.model",        "added_tokens.json",  "chat_template.jinja",   "chat_template.json"};
 
-}  // namespace
-
-MergeReport merge_adapter(const fs::path& model_dir, const fs::path& adapter_dir, const fs::path& out_dir,
-                          const MergeOptions& options) {
-  MT_USER_CHECK(fs::is_regular_file(model_dir / "config.json"), "{}: not a model folder (no config.json)",
-                model_dir.string());
-  MT_USER_CHECK(!same_path(out_dir, model_dir) && !same_path(out_dir, adapter_dir),
-                "--out {} would replace an input folder; write the merged model elsewhere", out_dir.string());
+// Refuses an out_dir that is an input folder, or a non-empty folder that is not a model folder.
+void check_out_dir(const fs::path& out_dir, std::initializer_list<fs::path> inputs) {
+  for (const fs::path& input : inputs)
+    MT_USER_CHECK(!same_path(out_dir, input), "--out {} would replace an input folder; write the model elsewhere",
+                  out_dir.string());
   if (fs::exists(out_dir)) {
     MT_USER_CHECK(fs::is_directory(out_dir), "--out {} exists and is not a folder", out_dir.string());
     MT_USER_CHECK(fs::is_empty(out_dir) || fs::exists(out_dir / "config.json"),
                   "--out {} is a non-empty folder without config.json; refusing to replace it",
                   out_dir.string());
   }
+}
+
+// `fill` writes the folder's files into a sibling staging folder, which then replaces out_dir
+// (an existing one is set aside until the new one is in place); a failure removes the staging
+// folder and leaves out_dir as it was.
+void write_folder_atomically(const fs::path& out_dir, const std::string& tag,
+                             const std::function<void(const fs::path& staging)>& fill) {
+  const fs::path parent = out_dir.has_parent_path() ? out_dir.parent_path() : fs::path(".");
+  fs::create_directories(parent);
+  const std::string pid = std::to_string(::getpid());
+  const fs::path staging = parent / (out_dir.filename().string() + "." + tag + "-partial-" + pid);
+  fs::remove_all(staging);
+  fs::create_directories(staging);
+  try {
+    fill(staging);
+    const fs::path old = parent / (out_dir.filename().string() + "." + tag + "-old-" + pid);
+    fs::remove_all(old);
+    const bool replacing = fs::exists(out_dir);
+    if (replacing) fs::rename(out_dir, old);
+    try {
+      fs::rename(staging, out_dir);
+    } catch (...) {
+      if (replacing) fs::rename(old, out_dir);
+      throw;
+    }
+    if (replacing) fs::remove_all(old);
+  } catch (...) {
+    std::error_code ignored;
+    fs::remove_all(staging, ignored);
+    throw;
+  }
+}
+
+void copy_companion_files(const fs::path& model_dir, const fs::path& staging) {
+  for (const char* name : kCompanionFiles)
+    if (fs::is_regular_file(model_dir / name)) fs::copy_file(model_dir / name, staging / name);
+}
+
+}  // namespace
+
+MergeReport merge_adapter(const fs::path& model_dir, const fs::path& adapter_dir, const fs::path& out_dir,
+                          const MergeOptions& options) {
+  MT_USER_CHECK(fs::is_regular_file(model_dir / "config.json"), "{}: not a model folder (no config.json)",
+                model_dir.string());
+  check_out_dir(out_dir, {model_dir, adapter_dir});
   nlohmann::json config_json = read_json_file(model_dir / "config.json");
   const LlamaConfig config = LlamaConfig::from_json(config_json, (model_dir / "config.json").string());
   const PeftAdapter adapter = PeftAdapter::read(adapter_dir, config);
@@ -278,13 +327,7 @@ MergeReport merge_adapter(const fs::path& model_dir, const fs::path& adapter_dir
     }});
   }
 
-  const fs::path parent = out_dir.has_parent_path() ? out_dir.parent_path() : fs::path(".");
-  fs::create_directories(parent);
-  const std::string pid = std::to_string(::getpid());
-  const fs::path staging = parent / (out_dir.filename().string() + ".merge-partial-" + pid);
-  fs::remove_all(staging);
-  fs::create_directories(staging);
-  try {
+  write_folder_atomically(out_dir, "merge", [&](const fs::path& staging) {
     report.weight_files = write_sharded_safetensors(staging, entries, options.max_shard_bytes, {{"format", "pt"}});
     for (fs::path& file : report.weight_files) file = out_dir / file.filename();
     // The merged weights are dense in the output dtype: the base's quantization no longer applies.
@@ -295,25 +338,47 @@ MergeReport merge_adapter(const fs::path& model_dir, const fs::path& adapter_dir
       if (config_json.contains(key)) config_json[key] = torch_name, has_dtype_key = true;
     if (!has_dtype_key) config_json["torch_dtype"] = torch_name;  // read by transformers 4 and 5
     write_file_atomic(staging / "config.json", config_json.dump(2) + "\n");
-    for (const char* name : kCompanionFiles)
-      if (fs::is_regular_file(model_dir / name)) fs::copy_file(model_dir / name, staging / name);
-    // Swap the folders: an existing out_dir is set aside until the new one is in place.
-    const fs::path old = parent / (out_dir.filename().string() + ".merge-old-" + pid);
-    fs::remove_all(old);
-    const bool replacing = fs::exists(out_dir);
-    if (replacing) fs::rename(out_dir, old);
-    try {
-      fs::rename(staging, out_dir);
-    } catch (...) {
-      if (replacing) fs::rename(old, out_dir);
-      throw;
+    copy_companion_files(model_dir, staging);
+  });
+  return report;
+}
+
+QuantizeReport quantize_checkpoint(const fs::path& model_dir, const fs::path& out_dir,
+                                   const QuantConfig& quant, const QuantizeOptions& options) {
+  validate_quant_config(quant);
+  MT_USER_CHECK(fs::is_regular_file(model_dir / "config.json"), "{}: not a model folder (no config.json)",
+                model_dir.string());
+  check_out_dir(out_dir, {model_dir});
+  nlohmann::json config_json = read_json_file(model_dir / "config.json");
+  const LlamaConfig config = LlamaConfig::from_json(config_json, (model_dir / "config.json").string());
+  const BaseCheckpoint base(model_dir, config);
+  MT_USER_CHECK(!base.has_4bit(), "{}: already holds bitsandbytes 4-bit weights; quantize a dense checkpoint",
+                model_dir.string());
+
+  QuantizeReport report;
+  // Each projection is quantized from its stored dtype, as bitsandbytes quantizes the loaded weight.
+  std::vector<std::vector<NamedArray>> quantized(base.table().size());
+  std::vector<SafetensorsWriteEntry> entries;
+  for (size_t i = 0; i < base.table().size(); ++i) {
+    const ParamSpec& spec = base.table()[i];
+    const SafetensorsTensor& t = *base.dense(i);
+    if (spec.kind != ParamKind::linear) {
+      entries.push_back({spec.hf_key, t.dtype, t.shape, t.data});
+      continue;
     }
-    if (replacing) fs::remove_all(old);
-  } catch (...) {
-    std::error_code ignored;
-    fs::remove_all(staging, ignored);
-    throw;
+    const std::vector<uint8_t> aligned(t.data, t.data + t.nbytes);
+    const QuantizedWeight weight = quantize_4bit(aligned.data(), t.dtype, spec.shape, quant, spec.hf_key);
+    quantized[i] = to_bnb_arrays(weight, spec.hf_key.substr(0, spec.hf_key.size() - std::string(".weight").size()));
+    for (const NamedArray& a : quantized[i]) entries.push_back({a.name, a.dtype, a.shape, a.bytes.data()});
+    ++report.quantized_projections;
   }
+  config_json["quantization_config"] = quantization_config_json(quant, options.compute_dtype.value_or(base.dtype(0)));
+  write_folder_atomically(out_dir, "quantize", [&](const fs::path& staging) {
+    report.weight_files = write_sharded_safetensors(staging, entries, options.max_shard_bytes, {{"format", "pt"}});
+    for (fs::path& file : report.weight_files) file = out_dir / file.filename();
+    write_file_atomic(staging / "config.json", config_json.dump(2) + "\n");
+    copy_companion_files(model_dir, staging);
+  });
   return report;
 }
 

@@ -19,6 +19,7 @@
 #include "memtune/lora/lora_config.h"
 #include "memtune/model/llama_config.h"
 #include "memtune/model/param_table.h"
+#include "memtune/quant/nf4.h"
 
 namespace memtune {
 
@@ -59,6 +60,9 @@ class BaseCheckpoint {
   const SafetensorsTensor* dense(size_t index) const;
   // table()[index] as fp32 values (numel of its shape).
   std::vector<float> read_f32(size_t index) const;
+  // A 4-bit parameter (is_4bit(index)) as bitsandbytes saved it, checked by from_bnb_arrays
+  // against the table's shape.
+  QuantizedWeight read_4bit(size_t index) const;
   // Lets the kernel drop the file pages behind a parameter once it has been read.
   void release(size_t index) const;
 
@@ -91,6 +95,25 @@ struct MergeReport {
 MergeReport merge_adapter(const std::filesystem::path& model_dir,
                           const std::filesystem::path& adapter_dir,
                           const std::filesystem::path& out_dir, const MergeOptions& options);
+
+struct QuantizeOptions {
+  std::optional<DType> compute_dtype;           // bnb_4bit_compute_dtype; default: the base's dtype
+  uint64_t max_shard_bytes = 5'000'000'000ull;
+};
+
+struct QuantizeReport {
+  int64_t quantized_projections = 0;
+  std::vector<std::filesystem::path> weight_files;  // as written into out_dir (index last)
+};
+
+// Writes out_dir as a bitsandbytes 4-bit Hugging Face folder: every projection of the dense
+// checkpoint in model_dir quantized by quantize_4bit (from its stored dtype) and saved under
+// bitsandbytes' key names (to_bnb_arrays), embeddings and norms as stored, config.json with
+// quantization_config (quantization_config_json), and the tokenizer and generation files.
+// Atomic as merge_adapter. A checkpoint that already holds 4-bit weights is refused.
+QuantizeReport quantize_checkpoint(const std::filesystem::path& model_dir,
+                                   const std::filesystem::path& out_dir, const QuantConfig& quant,
+                                   const QuantizeOptions& options = {});
 
 // "bf16" / "bfloat16", "f16" / "fp16" / "float16", "f32" / "fp32" / "float32"; memtune::Error
 // naming `what` otherwise.

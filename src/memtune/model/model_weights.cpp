@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "memtune/core/error.h"
 #include "memtune/ops/backend.h"
 #include "memtune/quant/nf4.h"
 
@@ -108,6 +109,43 @@ void ModelWeights::upload(Backend& backend, size_t index, const void* host, DTyp
     return;
   }
   copy_from_host_converted(backend, tensors[index], host, host_dtype);
+}
+
+void ModelWeights::upload_quantized(Backend& backend, size_t index, const QuantizedWeight& weight) {
+  const ParamSpec& spec = table[index];
+  MT_ASSERT(is_quantized(index), "upload_quantized: {} is not stored in 4 bits", spec.hf_key);
+  Quantized4bit& q = layers[spec.layer].quantized[static_cast<int>(spec.projection)];
+  const QuantConfig& want = q.config;
+  const QuantConfig& got = weight.config;
+  MT_USER_CHECK(got.type == want.type, "{}: the checkpoint's quant type {} differs from the run's "
+                "--bnb_4bit_quant_type {}", spec.hf_key, quant_type_name(got.type), quant_type_name(want.type));
+  MT_USER_CHECK(got.blocksize == want.blocksize, "{}: the checkpoint's blocksize {} differs from the "
+                "run's --bnb_4bit_blocksize {}", spec.hf_key, got.blocksize, want.blocksize);
+  MT_USER_CHECK(got.double_quant == want.double_quant, "{}: the checkpoint's double quant {} differs "
+                "from the run's --bnb_4bit_use_double_quant {}", spec.hf_key, got.double_quant, want.double_quant);
+  MT_USER_CHECK(!want.double_quant || got.nested_blocksize == want.nested_blocksize,
+                "{}: the checkpoint's nested blocksize {} differs from the run's {}", spec.hf_key,
+                got.nested_blocksize, want.nested_blocksize);
+  MT_USER_CHECK(weight.shape == spec.shape, "{}: the checkpoint's shape {} differs from the model's {}",
+                spec.hf_key, weight.shape.str(), spec.shape.str());
+  const auto copy = [&](const Tensor& dst, const void* src, size_t bytes, const char* what) {
+    MT_USER_CHECK(dst.nbytes() == bytes, "{}: {} holds {} bytes, the run's layout {}", spec.hf_key, what,
+                  bytes, dst.nbytes());
+    backend.copy_from_host(dst, src);
+  };
+  copy(q.packed, weight.packed.data(), weight.packed.size(), "weight");
+  copy(q.code_map, weight.quant_map.data(), weight.quant_map.size() * sizeof(float), "weight.quant_map");
+  if (want.double_quant) {
+    copy(q.absmax, weight.absmax_codes.data(), weight.absmax_codes.size(), "weight.absmax");
+    copy(q.nested_absmax, weight.nested_absmax.data(), weight.nested_absmax.size() * sizeof(float),
+         "weight.nested_absmax");
+    copy(q.nested_map, weight.nested_quant_map.data(), weight.nested_quant_map.size() * sizeof(float),
+         "weight.nested_quant_map");
+    q.nested_offset = weight.nested_offset;
+  } else {
+    copy(q.absmax, weight.absmax.data(), weight.absmax.size() * sizeof(float), "weight.absmax");
+    q.nested_offset = 0.0f;
+  }
 }
 
 void ModelWeights::init_random(Backend& backend, const LlamaConfig& config, uint64_t seed) {

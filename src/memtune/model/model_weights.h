@@ -7,6 +7,7 @@
 #include "memtune/core/memory.h"
 #include "memtune/model/param_table.h"
 #include "memtune/ops/backend.h"
+#include "memtune/quant/nf4.h"
 
 namespace memtune {
 
@@ -40,6 +41,12 @@ struct ModelWeights {
   // backend.quantize_4bit (the host reference on the CPU backend); NaN / Inf throws
   // memtune::Error naming the tensor.
   void upload(Backend& backend, size_t index, const void* host, DType host_dtype);
+  // Stores a 4-bit projection (is_quantized(index)) from a pre-quantized checkpoint weight: the
+  // codes, absmax (or absmax codes + nested absmax), maps and nested offset are copied as they
+  // are. A weight whose quant type, blocksize, double quant or nested blocksize differs from the
+  // run's quant config, or whose shape differs from the table's, throws memtune::Error naming
+  // the tensor and both values.
+  void upload_quantized(Backend& backend, size_t index, const QuantizedWeight& weight);
   bool is_quantized(size_t index) const;
   int64_t parameter_count() const { return count_parameters(table); }
 };

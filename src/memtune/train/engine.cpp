@@ -8,6 +8,7 @@
 #include "memtune/io/file_util.h"
 #include "memtune/io/json_util.h"
 #include "memtune/io/safetensors.h"
+#include "memtune/model/merge.h"
 #include "memtune/ops/device.h"
 
 namespace memtune {
@@ -55,15 +56,24 @@ void upload_converted(Backend& backend, const Tensor& dst, const SafetensorsTens
 }  // namespace
 
 void Engine::load_base_checkpoint(const std::filesystem::path& checkpoint_path) {
-  const SafetensorsCheckpoint checkpoint = SafetensorsCheckpoint::open(checkpoint_path);
+  // A projection saved by bitsandbytes in 4 bits is copied as it is into a 4-bit run (its quant
+  // config must equal the run's) and dequantized into a dense run; dense projections are
+  // quantized here under load_in_4bit.
+  const BaseCheckpoint base(checkpoint_path, model_);
+  MT_ASSERT(base.table().size() == weights_.table.size(), "load_base_checkpoint: parameter tables differ");
   for (size_t i = 0; i < weights_.table.size(); ++i) {
-    const ParamSpec& spec = weights_.table[i];
-    const SafetensorsTensor& t = expect_tensor(checkpoint, spec.hf_key,
-                                               {DType::f32, DType::f16, DType::bf16}, spec.shape);
-    // safetensors data need not be aligned for its dtype: copy before reading it as numbers.
-    std::vector<uint8_t> aligned(t.nbytes);
-    std::memcpy(aligned.data(), t.data, t.nbytes);
-    weights_.upload(backend_, i, aligned.data(), t.dtype);
+    if (const SafetensorsTensor* t = base.dense(i)) {
+      // safetensors data need not be aligned for its dtype: copy before reading it as numbers.
+      std::vector<uint8_t> aligned(t->nbytes);
+      std::memcpy(aligned.data(), t->data, t->nbytes);
+      weights_.upload(backend_, i, aligned.data(), t->dtype);
+    } else if (weights_.is_quantized(i)) {
+      weights_.upload_quantized(backend_, i, base.read_4bit(i));
+    } else {
+      const std::vector<float> values = base.read_f32(i);
+      weights_.upload(backend_, i, values.data(), DType::f32);
+    }
+    base.release(i);
   }
 }
 
