@@ -1,6 +1,8 @@
 // The memtune command line, run as a user runs it: figures of the plan, HF round trips through
 // eval and train, and clear errors with a non-zero exit for bad input.
 #include <gtest/gtest.h>
+
+#include "cli_test_util.h"
 #include <sys/wait.h>
 
 #include <array>
@@ -16,36 +18,17 @@ using memtune::DType;
 
 namespace {
 
-struct Result {
-  int exit_code;
-  std::string output;  // stdout and stderr together
-};
+using namespace memtune::clitest;
 
-Result memtune_cli(const std::string& args) {
-  const std::string command = std::string(MEMTUNE_BINARY_DIR) + "/memtune " + args + " 2>&1";
-  std::FILE* pipe = popen(command.c_str(), "r");
-  std::string output;
-  std::array<char, 4096> buffer;
-  size_t n;
-  while ((n = std::fread(buffer.data(), 1, buffer.size(), pipe)) > 0) output.append(buffer.data(), n);
-  const int status = pclose(pipe);
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, output};
-}
+
 
 nlohmann::json plan_json(const std::string& args) {
-  const Result r = memtune_cli("plan --json " + args);
+  const Result r = run_memtune("plan --json " + args);
   EXPECT_EQ(r.exit_code, 0) << r.output;
   return nlohmann::json::parse(r.output);
 }
 
-fs::path temp_dir(const std::string& name) {
-  const fs::path dir = fs::path(MEMTUNE_BINARY_DIR) / "cli_tests" / name;
-  fs::remove_all(dir);
-  fs::create_directories(dir);
-  return dir;
-}
 
-fs::path golden(const std::string& name) { return fs::path(MEMTUNE_SOURCE_DIR) / "tests/fixtures/golden" / name; }
 
 TEST(CliPlan, Llama31_8bBf16FrozenWeightsAndAdapterCountAreExact) {
   const nlohmann::json plan = plan_json("--model llama-3.1-8b --bf16 --lora_r 16 --lora_alpha 16 --lora_target_modules all-linear --batch 2 --seq 2048");
@@ -92,26 +75,26 @@ TEST(CliPlan, RunYamlSetsDefaultsThatFlagsOverride) {
 }
 
 TEST(CliPlan, VramBudgetRefusesWithAdvice) {
-  const Result r = memtune_cli("plan --model llama-3.1-8b --bf16 --batch 2 --seq 2048 --vram 24GiB");
+  const Result r = run_memtune("plan --model llama-3.1-8b --bf16 --batch 2 --seq 2048 --vram 24GiB");
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.output.find("does not fit --vram 24GiB"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("--gradient_checkpointing"), std::string::npos) << r.output;
-  EXPECT_EQ(memtune_cli("plan --model tiny --vram 24GiB").exit_code, 0);
+  EXPECT_EQ(run_memtune("plan --model tiny --vram 24GiB").exit_code, 0);
 }
 
 TEST(CliFit, FindsTheFastestFittingSetAndRefusesTheImpossible) {
-  const Result r = memtune_cli("fit --model llama-3.1-8b --batch 2 --accum 8 --seq 2048 --vram 24GiB");
+  const Result r = run_memtune("fit --model llama-3.1-8b --batch 2 --accum 8 --seq 2048 --vram 24GiB");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("fits at micro-batch"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("predicted peak with context"), std::string::npos) << r.output;
-  const Result none = memtune_cli("fit --model llama-3.1-70b --seq 2048 --vram 8GiB");
+  const Result none = run_memtune("fit --model llama-3.1-70b --seq 2048 --vram 8GiB");
   EXPECT_EQ(none.exit_code, 3) << none.output;
   EXPECT_NE(none.output.find("nothing fits"), std::string::npos) << none.output;
 }
 
 TEST(CliEval, ReproducesTheLossOfTransformersAndPeft) {
   for (const char* name : {"gqa_rope", "tied_odd"}) {
-    const fs::path dir = temp_dir(std::string("eval_") + name);
+    const fs::path dir = scratch_dir(std::string("eval_") + name);
     const memtune::SafetensorsFile batch = memtune::SafetensorsFile::open(golden(name) / "batch.safetensors");
     const auto& ids = batch.get("input_ids");
     const auto& labels = batch.get("labels");
@@ -128,7 +111,7 @@ TEST(CliEval, ReproducesTheLossOfTransformersAndPeft) {
       out << nlohmann::json{{"input_ids", row_ids}, {"labels", row_labels}}.dump() << "\n";
     }
     out.close();
-    const Result r = memtune_cli("eval --model " + golden(name).string() + " --adapter " + (golden(name) / "adapter").string() +
+    const Result r = run_memtune("eval --model " + golden(name).string() + " --adapter " + (golden(name) / "adapter").string() +
                                  " --lora_r 4 --lora_alpha 8 --data " + (dir / "batch.jsonl").string());
     ASSERT_EQ(r.exit_code, 0) << r.output;
     std::ifstream in(golden(name) / "eval.json");
@@ -140,7 +123,7 @@ TEST(CliEval, ReproducesTheLossOfTransformersAndPeft) {
 
 TEST(CliTrain, OneStepFromAPeftAdapterMatchesTransformers) {
   const std::string name = "gqa_rope";
-  const fs::path dir = temp_dir("train_init_adapter");
+  const fs::path dir = scratch_dir("train_init_adapter");
   const memtune::SafetensorsFile train = memtune::SafetensorsFile::open(golden(name) / "train.safetensors");
   const auto& ids = train.get("input_ids");  // [step, micro, batch, seq]
   const auto& labels = train.get("labels");
@@ -158,7 +141,7 @@ TEST(CliTrain, OneStepFromAPeftAdapterMatchesTransformers) {
     out << nlohmann::json{{"input_ids", row_ids}, {"labels", row_labels}}.dump() << "\n";
   }
   out.close();
-  const Result r = memtune_cli(fmt::format(
+  const Result r = run_memtune(fmt::format(
       "train --model {} --init-adapter {} --lora_r 4 --lora_alpha 8 --data {} --batch {} --accum {} --seq {} "
       "--max_steps 1 --learning_rate 1e-2 --weight_decay 0.01 --max_grad_norm 1.0 --device cpu --out {}",
       golden(name).string(), (golden(name) / "adapter").string(), (dir / "step1.jsonl").string(), rows, micro, seq,
@@ -186,7 +169,7 @@ TEST(CliTrain, OneStepFromAPeftAdapterMatchesTransformers) {
 }
 
 TEST(CliErrors, BadInputGetsAClearMessageAndNonZeroExit) {
-  const fs::path dir = temp_dir("errors");
+  const fs::path dir = scratch_dir("errors");
   auto write = [&](const std::string& file, const std::string& text) {
     std::ofstream(dir / file) << text;
     return (dir / file).string();
@@ -225,12 +208,12 @@ TEST(CliErrors, BadInputGetsAClearMessageAndNonZeroExit) {
       {"train --device cpu --max_steps 1 --init-adapter " + (dir / "nowhere").string(), "nowhere"},
   };
   for (const Case& c : cases) {
-    const Result r = memtune_cli(c.args);
+    const Result r = run_memtune(c.args);
     EXPECT_NE(r.exit_code, 0) << c.args << "\n" << r.output;
     EXPECT_NE(r.output.find(c.expected), std::string::npos) << c.args << "\n" << r.output;
   }
   // --on-bad-line=skip trains on the good lines.
-  EXPECT_EQ(memtune_cli("train --device cpu --max_steps 1 --seq 8 --quiet --on-bad-line skip --data " + bad_jsonl).exit_code, 0);
+  EXPECT_EQ(run_memtune("train --device cpu --max_steps 1 --seq 8 --quiet --on-bad-line skip --data " + bad_jsonl).exit_code, 0);
 }
 
 }  // namespace
@@ -238,8 +221,8 @@ TEST(CliErrors, BadInputGetsAClearMessageAndNonZeroExit) {
 namespace {
 
 TEST(CliLadder, CpuLadderWritesEveryRungWithEveryField) {
-  const fs::path dir = temp_dir("ladder");
-  const Result r = memtune_cli("ladder --model tiny --seq 64 --accum 2 --steps-per-rung 2 --vram 24GiB --quiet --device cpu --out " + dir.string());
+  const fs::path dir = scratch_dir("ladder");
+  const Result r = run_memtune("ladder --model tiny --seq 64 --accum 2 --steps-per-rung 2 --vram 24GiB --quiet --device cpu --out " + dir.string());
   ASSERT_EQ(r.exit_code, 0) << r.output;
   std::ifstream in(dir / "ladder.json");
   const nlohmann::json ladder = nlohmann::json::parse(in);
@@ -280,9 +263,9 @@ std::vector<nlohmann::json> read_jsonl(const fs::path& file) {
 }
 
 TEST(CliLadder, IsolateProgressAndMetrics) {
-  const fs::path dir = temp_dir("ladder_isolate");
+  const fs::path dir = scratch_dir("ladder_isolate");
   // Not --quiet: the progress line goes to stderr, here a pipe, so plain lines with an ETA.
-  const Result r = memtune_cli("ladder --model tiny --seq 16 --batch 2 --accum 1 --steps-per-rung 2 --device cpu --isolate "
+  const Result r = run_memtune("ladder --model tiny --seq 16 --batch 2 --accum 1 --steps-per-rung 2 --device cpu --isolate "
                                "--metrics " + (dir / "metrics.jsonl").string() + " --out " + dir.string());
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("ETA"), std::string::npos) << r.output;
@@ -356,8 +339,8 @@ TEST(CliLadder, IsolateProgressAndMetrics) {
 }
 
 TEST(CliSweep, PlanOnlyCurvesAndAMeasuredPoint) {
-  const fs::path dir = temp_dir("sweep");
-  const Result r = memtune_cli("sweep --model tiny --bf16 --vary seq --values 64,128,256 --plan-only --device cpu --out " +
+  const fs::path dir = scratch_dir("sweep");
+  const Result r = run_memtune("sweep --model tiny --bf16 --vary seq --values 64,128,256 --plan-only --device cpu --out " +
                                (dir / "plan").string());
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("eager attention bytes: 64->128: x4.00, 128->256: x4.00"), std::string::npos) << r.output;
@@ -375,7 +358,7 @@ TEST(CliSweep, PlanOnlyCurvesAndAMeasuredPoint) {
     }
   }
 
-  const Result measured = memtune_cli("sweep --model tiny --vary batch --values 1 --seq 16 --attn flash --steps-per-point 1 "
+  const Result measured = run_memtune("sweep --model tiny --vary batch --values 1 --seq 16 --attn flash --steps-per-point 1 "
                                       "--quiet --device cpu --metrics " + (dir / "m.jsonl").string() + " --out " +
                                       (dir / "measured").string());
   ASSERT_EQ(measured.exit_code, 0) << measured.output;
@@ -391,8 +374,8 @@ TEST(CliSweep, PlanOnlyCurvesAndAMeasuredPoint) {
 }
 
 TEST(CliReport, RerendersASavedLadderWithAPeer) {
-  const fs::path dir = temp_dir("report");
-  ASSERT_EQ(memtune_cli("ladder --model tiny --seq 16 --batch 1 --accum 1 --steps-per-rung 1 --quiet --device cpu --order "
+  const fs::path dir = scratch_dir("report");
+  ASSERT_EQ(run_memtune("ladder --model tiny --seq 16 --batch 1 --accum 1 --steps-per-rung 1 --quiet --device cpu --order "
                         "bf16,flash --out " + (dir / "ladder").string()).exit_code, 0);
   nlohmann::json peer = {{"peer", "transformers 4.46.0, peft 0.13.2, torch 2.5.1, bitsandbytes none"},
                          {"device", "cpu"}, {"date", "2025-01-02"}, {"config", nlohmann::json::object()},
@@ -403,7 +386,7 @@ TEST(CliReport, RerendersASavedLadderWithAPeer) {
                              {"peak_allocated_bytes", nullptr}, {"peak_reserved_bytes", nullptr},
                              {"device_peak_bytes", nullptr}, {"context_bytes", nullptr}});
   std::ofstream(dir / "peer.json") << peer.dump(1);
-  const Result r = memtune_cli("report --ladder " + (dir / "ladder" / "ladder.json").string() + " --peer " +
+  const Result r = run_memtune("report --ladder " + (dir / "ladder" / "ladder.json").string() + " --peer " +
                                (dir / "peer.json").string() + " --out " + (dir / "out").string());
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("peer tokens/s"), std::string::npos) << r.output;
@@ -415,16 +398,16 @@ TEST(CliReport, RerendersASavedLadderWithAPeer) {
   for (const char* file : {"report.md", "ladder.csv", "ladder.svg"}) EXPECT_TRUE(fs::exists(dir / "out" / file)) << file;
 
   // Without --out the outputs go beside the ladder.json.
-  EXPECT_EQ(memtune_cli("report --ladder " + (dir / "out" / "ladder.json").string()).exit_code, 0);
+  EXPECT_EQ(run_memtune("report --ladder " + (dir / "out" / "ladder.json").string()).exit_code, 0);
 
   // A bad peer file is refused with the field, and before a ladder runs.
   peer["rungs"][1]["tokens_per_second"] = "fast";
   std::ofstream(dir / "bad_peer.json") << peer.dump(1);
-  const Result bad = memtune_cli("report --ladder " + (dir / "ladder" / "ladder.json").string() + " --peer " +
+  const Result bad = run_memtune("report --ladder " + (dir / "ladder" / "ladder.json").string() + " --peer " +
                                  (dir / "bad_peer.json").string());
   EXPECT_NE(bad.exit_code, 0);
   EXPECT_NE(bad.output.find("tokens_per_second"), std::string::npos) << bad.output;
-  const Result early = memtune_cli("ladder --model tiny --device cpu --quiet --peer " + (dir / "bad_peer.json").string() +
+  const Result early = run_memtune("ladder --model tiny --device cpu --quiet --peer " + (dir / "bad_peer.json").string() +
                                    " --out " + (dir / "never").string());
   EXPECT_NE(early.exit_code, 0);
   EXPECT_NE(early.output.find("expected a number"), std::string::npos) << early.output;
@@ -432,8 +415,8 @@ TEST(CliReport, RerendersASavedLadderWithAPeer) {
 }
 
 TEST(CliTrain, MetricsFileGetsOneLinePerStep) {
-  const fs::path dir = temp_dir("train_metrics");
-  const Result r = memtune_cli("train --device cpu --max_steps 3 --seq 8 --quiet --metrics " + (dir / "m.jsonl").string());
+  const fs::path dir = scratch_dir("train_metrics");
+  const Result r = run_memtune("train --device cpu --max_steps 3 --seq 8 --quiet --metrics " + (dir / "m.jsonl").string());
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const std::vector<nlohmann::json> records = read_jsonl(dir / "m.jsonl");
   ASSERT_EQ(records.size(), 3u);
@@ -445,7 +428,7 @@ TEST(CliTrain, MetricsFileGetsOneLinePerStep) {
       EXPECT_TRUE(records[i].contains(key)) << key;
   }
   // Progress on stderr without --quiet: plain lines into a pipe.
-  const Result loud = memtune_cli("train --device cpu --max_steps 2 --seq 8");
+  const Result loud = run_memtune("train --device cpu --max_steps 2 --seq 8");
   ASSERT_EQ(loud.exit_code, 0) << loud.output;
   EXPECT_NE(loud.output.find("train step 2/2"), std::string::npos) << loud.output;
 }
@@ -462,7 +445,7 @@ TEST(CliErrors, SweepAndReportOptions) {
       {"ladder --model tiny --order bf16,magic --quiet --device cpu", "unknown trick 'magic'"},
   };
   for (const auto& c : cases) {
-    const Result r = memtune_cli(c.args);
+    const Result r = run_memtune(c.args);
     EXPECT_NE(r.exit_code, 0) << c.args << "\n" << r.output;
     EXPECT_NE(r.output.find(c.expected), std::string::npos) << c.args << "\n" << r.output;
   }
@@ -473,17 +456,7 @@ TEST(CliErrors, SweepAndReportOptions) {
 // Real fine-tuning data: the three TRL forms, packing, eval, epochs, signals and failed saves.
 namespace {
 
-Result shell(const std::string& script) {
-  std::FILE* pipe = popen(("(" + script + ") 2>&1").c_str(), "r");
-  std::string output;
-  std::array<char, 4096> buffer;
-  size_t n;
-  while ((n = std::fread(buffer.data(), 1, buffer.size(), pipe)) > 0) output.append(buffer.data(), n);
-  const int status = pclose(pipe);
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, output};
-}
 
-std::string memtune_binary() { return std::string(MEMTUNE_BINARY_DIR) + "/memtune"; }
 
 std::string write_lines(const fs::path& file, const std::vector<std::string>& lines) {
   std::ofstream out(file, std::ios::binary);
@@ -506,7 +479,7 @@ std::string sft_text_file(const fs::path& dir) {
 }
 
 TEST(CliTrain, EachSftFormTrainsPackedWithAnEvalSplitAndReportsItsData) {
-  const fs::path dir = temp_dir("train_sft_forms");
+  const fs::path dir = scratch_dir("train_sft_forms");
   const std::string text = sft_text_file(dir);
   const std::string prompt_completion = write_lines(
       dir / "pc.jsonl", {R"({"prompt": "2+2=", "completion": " 4"})", R"({"prompt": "3+1=", "completion": " 4"})",
@@ -520,7 +493,7 @@ TEST(CliTrain, EachSftFormTrainsPackedWithAnEvalSplitAndReportsItsData) {
   for (const auto& [file, format] : {std::pair{text, "text"}, std::pair{prompt_completion, "prompt-completion"},
                                      std::pair{chat, "messages"}}) {
     const fs::path metrics = dir / (std::string(format) + ".metrics.jsonl");
-    const Result r = memtune_cli("train --device cpu --seq 64 --batch 2 --max_steps 3 --quiet --packing --eval_split 0.25 "
+    const Result r = run_memtune("train --device cpu --seq 64 --batch 2 --max_steps 3 --quiet --packing --eval_split 0.25 "
                                  "--eval_steps 2 --metrics " + metrics.string() + " --data " + file);
     ASSERT_EQ(r.exit_code, 0) << r.output;
     EXPECT_NE(r.output.find("data: " + file + ": "), std::string::npos) << r.output;
@@ -541,13 +514,13 @@ TEST(CliTrain, EachSftFormTrainsPackedWithAnEvalSplitAndReportsItsData) {
     EXPECT_EQ(events_of(records, "step").size(), 3u);
   }
   // The long first text line: BOS + 50 bytes + EOS = 52 tokens, cut to 32.
-  const Result truncated = memtune_cli("train --device cpu --seq 32 --batch 2 --max_steps 1 --quiet --data " + text);
+  const Result truncated = run_memtune("train --device cpu --seq 32 --batch 2 --max_steps 1 --quiet --data " + text);
   ASSERT_EQ(truncated.exit_code, 0) << truncated.output;
   EXPECT_NE(truncated.output.find("1 truncated to max_seq_length 32 (20 tokens dropped)"), std::string::npos)
       << truncated.output;
   // --num_train_epochs: 8 rows in micro-batches of 2 are 4 steps an epoch.
   const fs::path epochs = dir / "epochs.jsonl";
-  const Result two_epochs = memtune_cli("train --device cpu --seq 32 --batch 2 --num_train_epochs 2 --quiet --metrics " +
+  const Result two_epochs = run_memtune("train --device cpu --seq 32 --batch 2 --num_train_epochs 2 --quiet --metrics " +
                                         epochs.string() + " --data " + text);
   ASSERT_EQ(two_epochs.exit_code, 0) << two_epochs.output;
   const std::vector<nlohmann::json> steps = events_of(read_jsonl(epochs), "step");
@@ -557,7 +530,7 @@ TEST(CliTrain, EachSftFormTrainsPackedWithAnEvalSplitAndReportsItsData) {
 }
 
 TEST(CliErrors, BadTrainingDataGetsAClearMessageAndNonZeroExit) {
-  const fs::path dir = temp_dir("train_data_errors");
+  const fs::path dir = scratch_dir("train_data_errors");
   const std::string text = sft_text_file(dir);
   const std::string mixed = write_lines(dir / "mixed.jsonl", {R"({"text": "a"})", R"({"prompt": "a", "completion": "b"})"});
   const std::string utf8 = write_lines(dir / "utf8.jsonl", {"{\"text\": \"caf\xC3\"}"});
@@ -584,22 +557,22 @@ TEST(CliErrors, BadTrainingDataGetsAClearMessageAndNonZeroExit) {
       {"--data " + (dir / "absent.jsonl").string(), "absent.jsonl: No such file or directory"},
   };
   for (const auto& c : cases) {
-    const Result r = memtune_cli("train --device cpu --max_steps 1 --seq 16 --quiet " + c.args);
+    const Result r = run_memtune("train --device cpu --max_steps 1 --seq 16 --quiet " + c.args);
     EXPECT_NE(r.exit_code, 0) << c.args << "\n" << r.output;
     EXPECT_NE(r.output.find(c.expected), std::string::npos) << c.args << "\n" << r.output;
   }
-  const Result skipped = memtune_cli("train --device cpu --max_steps 1 --seq 16 --quiet --on-bad-line skip --data " + some_bad);
+  const Result skipped = run_memtune("train --device cpu --max_steps 1 --seq 16 --quiet --on-bad-line skip --data " + some_bad);
   EXPECT_EQ(skipped.exit_code, 0) << skipped.output;
   EXPECT_NE(skipped.output.find("1 bad line skipped (first: " + some_bad + ":2"), std::string::npos) << skipped.output;
 }
 
 TEST(CliTrain, SigtermStopsAfterTheStepWithACheckpointAndResumeMatchesAStraightRun) {
-  const fs::path dir = temp_dir("train_sigterm");
+  const fs::path dir = scratch_dir("train_sigterm");
   const std::string data = sft_text_file(dir);
   const std::string common = memtune_binary() + " train --device cpu --seq 16 --batch 2 --lora_dropout 0.1 --quiet --data " + data;
   const fs::path out = dir / "out", metrics = dir / "m.jsonl";
   // Far more steps than it gets to run: it is stopped as soon as its first step is logged.
-  const Result stopped = shell(common + " --max_steps 1000000 --out " + out.string() + " --metrics " + metrics.string() +
+  const Result stopped = run_shell(common + " --max_steps 1000000 --out " + out.string() + " --metrics " + metrics.string() +
                                " & pid=$!; i=0; while [ ! -s " + metrics.string() +
                                " ] && [ $i -lt 1200 ]; do sleep 0.05; i=$((i+1)); done; kill -TERM $pid; wait $pid; "
                                "echo \"exit=$?\"");
@@ -615,13 +588,13 @@ TEST(CliTrain, SigtermStopsAfterTheStepWithACheckpointAndResumeMatchesAStraightR
   EXPECT_FALSE(fs::exists(dir / "out/checkpoint.partial"));
 
   const fs::path resumed_metrics = dir / "resumed.jsonl";
-  const Result resumed = shell(fmt::format("{} --max_steps {} --resume {} --out {} --metrics {}", common, k + 2,
+  const Result resumed = run_shell(fmt::format("{} --max_steps {} --resume {} --out {} --metrics {}", common, k + 2,
                                            (out / "checkpoint").string(), out.string(), resumed_metrics.string()));
   ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
   const std::vector<nlohmann::json> resumed_steps = events_of(read_jsonl(resumed_metrics), "step");
   ASSERT_EQ(resumed_steps.size(), 2u);
   EXPECT_EQ(resumed_steps[0]["step"], k + 1);
-  const Result straight = shell(fmt::format("{} --max_steps {} --out {}", common, k + 2, (dir / "straight").string()));
+  const Result straight = run_shell(fmt::format("{} --max_steps {} --out {}", common, k + 2, (dir / "straight").string()));
   ASSERT_EQ(straight.exit_code, 0) << straight.output;
   auto bytes_of = [](const fs::path& file) {
     std::ifstream in(file, std::ios::binary);
@@ -633,14 +606,14 @@ TEST(CliTrain, SigtermStopsAfterTheStepWithACheckpointAndResumeMatchesAStraightR
 }
 
 TEST(CliTrain, AFailedCheckpointWriteExitsNonZeroAndKeepsThePreviousCheckpoint) {
-  const fs::path dir = temp_dir("train_write_fails");
+  const fs::path dir = scratch_dir("train_write_fails");
   const std::string data = sft_text_file(dir);
   const std::string common = memtune_binary() + " train --device cpu --seq 16 --batch 2 --quiet --data " + data;
   const fs::path out = dir / "out";
-  ASSERT_EQ(shell(common + " --max_steps 2 --out " + out.string()).exit_code, 0);
+  ASSERT_EQ(run_shell(common + " --max_steps 2 --out " + out.string()).exit_code, 0);
   // A file-size limit (with SIGXFSZ ignored, so the write returns EFBIG) fails the next save
   // partway through the adapter file, as a full disk would.
-  const Result r = shell("trap '' XFSZ; ulimit -f 64; " + common + " --max_steps 4 --save_steps 1 --resume " +
+  const Result r = run_shell("trap '' XFSZ; ulimit -f 64; " + common + " --max_steps 4 --save_steps 1 --resume " +
                          (out / "checkpoint").string() + " --out " + out.string());
   EXPECT_NE(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("saving the checkpoint"), std::string::npos) << r.output;
@@ -649,7 +622,7 @@ TEST(CliTrain, AFailedCheckpointWriteExitsNonZeroAndKeepsThePreviousCheckpoint) 
   const nlohmann::json state = nlohmann::json::parse(std::ifstream(out / "checkpoint/trainer_state.json"));
   EXPECT_EQ(state["step"], 2);
   EXPECT_FALSE(fs::exists(out / "checkpoint.partial"));
-  EXPECT_EQ(shell(common + " --max_steps 3 --resume " + (out / "checkpoint").string()).exit_code, 0);
+  EXPECT_EQ(run_shell(common + " --max_steps 3 --resume " + (out / "checkpoint").string()).exit_code, 0);
 }
 
 }  // namespace

@@ -5,6 +5,8 @@
 // the output folder, greedy generation against transformers (tests/fixtures/generate), and the
 // example run YAMLs and dataset.
 #include <gtest/gtest.h>
+
+#include "cli_test_util.h"
 #include <sys/wait.h>
 
 #include <array>
@@ -26,36 +28,13 @@ using namespace memtune;
 
 namespace {
 
-struct Result {
-  int exit_code;
-  std::string output;  // stdout and stderr together
-};
+using namespace memtune::clitest;
 
-Result run_memtune(const std::string& args) {
-  const std::string command = std::string(MEMTUNE_BINARY_DIR) + "/memtune " + args + " 2>&1";
-  std::FILE* pipe = popen(command.c_str(), "r");
-  std::string output;
-  std::array<char, 4096> buffer;
-  size_t n;
-  while ((n = std::fread(buffer.data(), 1, buffer.size(), pipe)) > 0) output.append(buffer.data(), n);
-  const int status = pclose(pipe);
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, output};
-}
 
-fs::path scratch_dir(const std::string& name) {
-  const fs::path dir = fs::path(MEMTUNE_BINARY_DIR) / "cli_tests" / name;
-  fs::remove_all(dir);
-  fs::create_directories(dir);
-  return dir;
-}
 
-fs::path golden(const std::string& name) { return fs::path(MEMTUNE_SOURCE_DIR) / "tests/fixtures/golden" / name; }
+
 fs::path example(const std::string& name) { return fs::path(MEMTUNE_SOURCE_DIR) / "examples" / name; }
 
-nlohmann::json read_json(const fs::path& path) {
-  std::ifstream in(path);
-  return nlohmann::json::parse(in);
-}
 
 std::vector<float> floats(const SafetensorsTensor& t) {
   std::vector<float> out(static_cast<size_t>(t.shape.numel()));

@@ -3,6 +3,8 @@
 // byte-identical to quantizing the dense checkpoint on load, and eval gives the same loss), a 4-bit
 // checkpoint in a dense run (dequantized), and a checkpoint whose blocksize differs from the run's.
 #include <gtest/gtest.h>
+
+#include "cli_test_util.h"
 #include <sys/wait.h>
 
 #include <array>
@@ -21,35 +23,12 @@ using namespace memtune;
 
 namespace {
 
-struct Result {
-  int exit_code;
-  std::string output;  // stdout and stderr together
-};
+using namespace memtune::clitest;
 
-Result run_memtune(const std::string& args) {
-  const std::string command = std::string(MEMTUNE_BINARY_DIR) + "/memtune " + args + " 2>&1";
-  std::FILE* pipe = popen(command.c_str(), "r");
-  std::string output;
-  std::array<char, 4096> buffer;
-  size_t n;
-  while ((n = std::fread(buffer.data(), 1, buffer.size(), pipe)) > 0) output.append(buffer.data(), n);
-  const int status = pclose(pipe);
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, output};
-}
 
-fs::path scratch_dir(const std::string& name) {
-  const fs::path dir = fs::path(MEMTUNE_BINARY_DIR) / "cli_tests" / name;
-  fs::remove_all(dir);
-  fs::create_directories(dir);
-  return dir;
-}
 
-fs::path golden(const std::string& name) { return fs::path(MEMTUNE_SOURCE_DIR) / "tests/fixtures/golden" / name; }
 
-nlohmann::json read_json(const fs::path& path) {
-  std::ifstream in(path);
-  return nlohmann::json::parse(in);
-}
+
 
 // The golden batch as a JSONL file for memtune eval.
 fs::path write_batch_jsonl(const fs::path& dir) {
