@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "../ops/op_test_util.h"
+#include "quant_test_util.h"
 #include "memtune/core/error.h"
 #include "memtune/core/memory.h"
 #include "memtune/model/model_weights.h"
@@ -23,19 +24,7 @@ namespace memtune {
 namespace {
 
 using optest::HostTensor;
-
-QuantConfig make_config(QuantType type, int64_t blocksize, bool double_quant) {
-  QuantConfig config;
-  config.type = type;
-  config.blocksize = blocksize;
-  config.double_quant = double_quant;
-  return config;
-}
-
-std::string config_label(const QuantConfig& c) {
-  return std::string(quant_type_name(c.type)) + " bs" + std::to_string(c.blocksize) +
-         (c.double_quant ? " dq" : "");
-}
+using namespace quanttest;
 
 // A Quantized4bit over host storage, laid out as ModelWeights::allocate lays it out.
 class HostQuantized {
@@ -65,55 +54,6 @@ class HostQuantized {
  private:
   std::vector<uint8_t> packed_, absmax_, nested_absmax_, code_map_, nested_map_;
 };
-
-template <typename T>
-std::vector<T> read_back(Backend& backend, const Tensor& t) {
-  std::vector<T> values(t.nbytes() / sizeof(T));
-  backend.copy_to_host(values.data(), t);
-  return values;
-}
-
-bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-}
-
-// Every field of q (on `backend`) equals the reference weight, bit for bit.
-void expect_equals_reference(Backend& backend, const Quantized4bit& q, const QuantizedWeight& ref,
-                             const std::string& what) {
-  EXPECT_EQ(read_back<uint8_t>(backend, q.packed), ref.packed) << what << ": packed codes";
-  EXPECT_TRUE(same_bits(read_back<float>(backend, q.code_map), ref.quant_map)) << what << ": code_map";
-  if (q.config.double_quant) {
-    EXPECT_EQ(read_back<uint8_t>(backend, q.absmax), ref.absmax_codes) << what << ": absmax codes";
-    EXPECT_TRUE(same_bits(read_back<float>(backend, q.nested_absmax), ref.nested_absmax))
-        << what << ": nested_absmax";
-    EXPECT_TRUE(same_bits(read_back<float>(backend, q.nested_map), ref.nested_quant_map))
-        << what << ": nested_map";
-    uint32_t got_bits, want_bits;
-    std::memcpy(&got_bits, &q.nested_offset, 4);
-    std::memcpy(&want_bits, &ref.nested_offset, 4);
-    EXPECT_EQ(got_bits, want_bits) << what << ": nested_offset " << q.nested_offset << " vs "
-                                   << ref.nested_offset;
-  } else {
-    EXPECT_TRUE(same_bits(read_back<float>(backend, q.absmax), ref.absmax)) << what << ": absmax";
-    EXPECT_EQ(q.nested_offset, 0.0f) << what;
-  }
-}
-
-std::vector<float> normal_values(int64_t n, std::mt19937_64& rng, float std_dev) {
-  std::normal_distribution<float> normal(0.0f, std_dev);
-  std::vector<float> values(static_cast<size_t>(n));
-  for (float& v : values) v = normal(rng);
-  return values;
-}
-
-std::string error_of(const std::function<void()>& body) {
-  try {
-    body();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
 
 TEST(BackendQuant, DefaultQuantizeEqualsReference) {
   auto cpu = make_cpu_backend();

@@ -8,10 +8,13 @@
 #include "memtune/core/error.h"
 #include "memtune/quant/codebook.h"
 #include "memtune/quant/nf4.h"
+#include "quant_test_util.h"
 
 using namespace memtune;
 
 namespace {
+
+using quanttest::error_of;
 
 QuantConfig make_config(QuantType type, int64_t blocksize, bool double_quant) {
   QuantConfig config;
@@ -35,15 +38,6 @@ double largest_gap(const std::vector<float>& sorted) {
   double gap = 0;
   for (size_t i = 1; i < sorted.size(); ++i) gap = std::max(gap, double(sorted[i]) - sorted[i - 1]);
   return gap;
-}
-
-std::string error_of(const std::function<void()>& body) {
-  try {
-    body();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
 }
 
 }  // namespace
