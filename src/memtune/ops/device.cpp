@@ -25,13 +25,6 @@ bool cuda_device_present() {
 #endif
 }
 
-Device resolve_device(const std::string& device) {
-  MT_USER_CHECK(device == "cpu" || device == "cuda" || device == "auto",
-                "--device {}: expected cpu, cuda or auto", device);
-  if (device == "cpu" || !cuda_device_present()) return Device::cpu;
-  return Device::cuda;
-}
-
 std::unique_ptr<Backend> make_backend(const std::string& device) {
   MT_USER_CHECK(device == "cpu" || device == "cuda" || device == "auto",
                 "--device {}: expected cpu, cuda or auto", device);

@@ -20,8 +20,6 @@ bool cuda_device_present();
 // "cpu", "cuda", or "auto" (cuda when present, else cpu). Throws memtune::Error for "cuda"
 // without a device.
 std::unique_ptr<Backend> make_backend(const std::string& device);
-// The device make_backend(device) would run on, without creating a backend.
-Device resolve_device(const std::string& device);
 // Device memory in use by everything on the device (as nvidia-smi shows it: CUDA context and
 // library handles included), and the device's total; 0 on the CPU.
 uint64_t device_memory_in_use(const Backend& backend);
