@@ -1,0 +1,55 @@
+// Shared pieces of the command-line tests: running memtune (or a shell script) as a user does,
+// capturing its output and exit code, a fresh scratch folder per test, and the fixtures.
+#pragma once
+
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <array>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+
+namespace memtune::clitest {
+
+struct Result {
+  int exit_code;
+  std::string output;  // stdout and stderr together
+};
+
+// Runs `script` in a subshell with stderr folded into stdout.
+inline Result run_shell(const std::string& script) {
+  std::FILE* pipe = popen(("(" + script + ") 2>&1").c_str(), "r");
+  std::string output;
+  std::array<char, 4096> buffer;
+  size_t n;
+  while ((n = std::fread(buffer.data(), 1, buffer.size(), pipe)) > 0) output.append(buffer.data(), n);
+  const int status = pclose(pipe);
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, output};
+}
+
+inline std::string memtune_binary() { return std::string(MEMTUNE_BINARY_DIR) + "/memtune"; }
+
+// The memtune binary of this build with the given arguments.
+inline Result run_memtune(const std::string& args) { return run_shell(memtune_binary() + " " + args); }
+
+// An empty folder under the build tree, removed and re-created on each call.
+inline std::filesystem::path scratch_dir(const std::string& name) {
+  const std::filesystem::path dir = std::filesystem::path(MEMTUNE_BINARY_DIR) / "cli_tests" / name;
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  return dir;
+}
+
+inline std::filesystem::path golden(const std::string& name) {
+  return std::filesystem::path(MEMTUNE_SOURCE_DIR) / "tests/fixtures/golden" / name;
+}
+
+inline nlohmann::json read_json(const std::filesystem::path& path) {
+  std::ifstream in(path);
+  return nlohmann::json::parse(in);
+}
+
+}  // namespace memtune::clitest
