@@ -112,7 +112,10 @@ if has_part bench; then
   stamp bench
   for b in "$BIN_DIR"/bench_*; do
     [ -x "$b" ] || continue
-    timeout 120 "$b" > "$WORK/$(basename "$b").log" 2>&1
+    args=()
+    [ "$(basename "$b")" = bench_tokenizer ] && args=(--tokenizer "$BIN_DIR/tokenizer.json" --corpus "$ROOT/tests/fixtures/tokenizer/corpus.jsonl")
+    [ "$(basename "$b")" = bench_gemm ] && args=(--json)
+    timeout 120 "$b" "${args[@]}" > "$WORK/$(basename "$b").log" 2>&1
     echo "$(basename "$b") exit $?"; tail -30 "$WORK/$(basename "$b").log"
   done
 fi

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds for the device (sm_90 only, to keep the carry small) and gathers what a device call
 # carries into .devbin/: memtune, memtune_gpu_tests, the bench binaries, a libgomp (the device's
-# distro may lack it) and COMMIT, the commit the binaries were built from ("-dirty" when the
+# distro may lack it), the Llama 3 tokenizer.json and COMMIT, the commit the binaries were built from ("-dirty" when the
 # tree had uncommitted changes). Then: run scripts/device-check.sh .devbin on the device.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,5 +12,8 @@ rm -rf .devbin && mkdir -p .devbin
 cp build/memtune build/memtune_gpu_tests .devbin/
 for b in build/bench_*; do [ -x "$b" ] && cp "$b" .devbin/; done
 cp "$(g++ -print-file-name=libgomp.so.1)" .devbin/
+# The Llama 3 tokenizer for scripts/device-qlora-flow.sh (the shared data folder does not travel).
+TOKENIZER_JSON=${TOKENIZER_JSON:-../shared/data/llama3-tokenizer/tokenizer.json}
+[ -f "$TOKENIZER_JSON" ] && cp "$TOKENIZER_JSON" .devbin/
 git describe --always --dirty > .devbin/COMMIT
 du -sh .devbin; cat .devbin/COMMIT

@@ -25,11 +25,6 @@ namespace {
 
 using namespace memtune::clitest;
 
-
-
-
-
-
 // The golden batch as a JSONL file for memtune eval.
 fs::path write_batch_jsonl(const fs::path& dir) {
   const SafetensorsFile batch = SafetensorsFile::open(golden("gqa_rope") / "batch.safetensors");
@@ -158,4 +153,38 @@ TEST(CliQuantize, ABlocksizeOtherThanTheRunsIsAClearError) {
   // Quantizing a 4-bit folder again is refused; --out must not be the input.
   EXPECT_NE(run_memtune("quantize --model " + out.string() + " --out " + (dir / "again").string()).exit_code, 0);
   EXPECT_NE(run_memtune("quantize --model " + golden("gqa_rope").string() + " --out " + golden("gqa_rope").string()).exit_code, 0);
+}
+
+// memtune logits on a bitsandbytes folder keeps the projections in 4 bits with the folder's own
+// settings (as transformers loads such a folder), so its logits equal those of the dense folder
+// quantized on load with the same settings, bit for bit; fp4 / blocksize 128 / no double quant
+// needs no flags either.
+TEST(CliQuantize, LogitsOfA4bitFolderUseItsCodesAsTheyAre) {
+  const fs::path dir = scratch_dir("quantize_logits");
+  const auto logits_of = [&](const std::string& args, const std::string& name) {
+    const fs::path file = dir / (name + ".safetensors");
+    const Result r = run_memtune("logits --device cpu --dtype f32 --input-ids 1,5,9,2,7,3 --out " +
+                                 file.string() + " " + args);
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    std::vector<uint8_t> bytes;
+    if (r.exit_code != 0) return bytes;
+    const SafetensorsFile f = SafetensorsFile::open(file);
+    const auto& t = f.get("logits");
+    bytes.assign(t.data, t.data + t.nbytes);
+    return bytes;
+  };
+  for (const std::string settings : {std::string(""), std::string(" --bnb_4bit_quant_type fp4 --bnb_4bit_use_double_quant false --bnb_4bit_blocksize 128")}) {
+    const fs::path out = dir / (settings.empty() ? "nf4" : "fp4");
+    const Result q = run_memtune("quantize --model " + golden("gqa_rope").string() + " --out " + out.string() + settings);
+    ASSERT_EQ(q.exit_code, 0) << q.output;
+    const std::vector<uint8_t> from_folder = logits_of("--model " + out.string(), out.filename().string() + "_folder");
+    ASSERT_FALSE(from_folder.empty());
+    if (settings.empty()) {
+      const std::vector<uint8_t> on_load = logits_of("--load_in_4bit --model " + golden("gqa_rope").string(), "on_load");
+      EXPECT_EQ(from_folder, on_load);
+    }
+    // And they differ from the dense model's: the 4-bit path really ran.
+    const std::vector<uint8_t> dense = logits_of("--model " + golden("gqa_rope").string(), "dense");
+    EXPECT_NE(from_folder, dense);
+  }
 }

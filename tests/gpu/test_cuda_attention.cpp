@@ -10,6 +10,7 @@
 #include <cstdio>
 
 #include "gpu_test_util.h"
+#include "memtune/ops/cuda/attention_flash.h"
 #include "memtune/ops/cuda/cuda_ops.h"
 
 namespace memtune::gputest {
@@ -252,6 +253,15 @@ TEST_F(CudaAttentionTest, TimingPrintFlashVsEager) {
   const double flash_bwd = time_ms([&] {
     gpu().attention_flash_backward(dq, dk, dv, delta, dq_accum, d_out, out, lse, q, k, v, none, dims);
   });
+  // The previous backward (MEMTUNE_FLASH_BWD=v1) in the same run, for the A/B.
+  const cuda::FlashVersions versions = cuda::flash_versions();
+  cuda::FlashVersions v1 = versions;
+  v1.backward_v1 = true;
+  cuda::set_flash_versions(v1);
+  const double flash_v1_bwd = time_ms([&] {
+    gpu().attention_flash_backward(dq, dk, dv, delta, dq_accum, d_out, out, lse, q, k, v, none, dims);
+  });
+  cuda::set_flash_versions(versions);
   const double eager_fwd = time_ms([&] { gpu().attention_eager_forward(out, probs, scores, q, k, v, none, dims); });
   const double eager_bwd = time_ms([&] {
     gpu().attention_eager_backward(dq, dk, dv, scores, d_out, probs, q, k, v, none, dims);
@@ -266,6 +276,10 @@ TEST_F(CudaAttentionTest, TimingPrintFlashVsEager) {
   std::printf("  flash fwd %8.3f ms %7.1f TFLOP/s | bwd %8.3f ms %7.1f TFLOP/s | fwd+bwd %7.1f TFLOP/s\n",
               flash_fwd, tflops(fwd_flops, flash_fwd), flash_bwd, tflops(bwd_flops, flash_bwd),
               tflops(fwd_flops + bwd_flops, flash_fwd + flash_bwd));
+  std::printf("  flash-v1 fwd %8.3f ms %7.1f TFLOP/s | bwd %8.3f ms %7.1f TFLOP/s | fwd+bwd %7.1f TFLOP/s"
+              " (backward v1; the forward has one version)\n",
+              flash_fwd, tflops(fwd_flops, flash_fwd), flash_v1_bwd, tflops(bwd_flops, flash_v1_bwd),
+              tflops(fwd_flops + bwd_flops, flash_fwd + flash_v1_bwd));
   std::printf("  eager fwd %8.3f ms %7.1f TFLOP/s | bwd %8.3f ms %7.1f TFLOP/s | fwd+bwd %7.1f TFLOP/s\n",
               eager_fwd, tflops(fwd_flops, eager_fwd), eager_bwd, tflops(bwd_flops, eager_bwd),
               tflops(fwd_flops + bwd_flops, eager_fwd + eager_bwd));

@@ -3,6 +3,7 @@
 // for a 4-bit base: the codes are those the host path always produced (seed * 1000003 + i).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -205,6 +206,56 @@ TEST(BackendQuant, InitRandomQuantizedGivesTheHostPathCodes) {
     }
     cpu->free_arena(arena);
   }
+}
+
+// The dense scratch of a 4-bit init comes from the lent tensor when it is large enough
+// (Memory::free_tail: arena space above the live buffers), so that nothing is allocated outside
+// the plan; the codes are the same either way.
+TEST(BackendQuant, InitRandomUsesTheLentScratchAndGivesTheSameCodes) {
+  const LlamaConfig model = odd_tiny_model();
+  const QuantConfig quant = make_config(QuantType::nf4, 64, true);
+  auto cpu = make_cpu_backend();
+  Memory plan(Device::meta, nullptr, 0);
+  const ModelWeights planned = ModelWeights::allocate(plan, model, DType::bf16, &quant);
+  EXPECT_TRUE(plan.free_tail().empty());  // nothing to lend on the meta device
+  int64_t largest = 0;
+  for (size_t i = 0; i < planned.table.size(); ++i)
+    if (planned.is_quantized(i)) largest = std::max(largest, planned.table[i].shape.numel());
+  const uint64_t weight_bytes = plan.allocator().high_water();
+  const uint64_t tail_bytes = static_cast<uint64_t>(largest) * sizeof(float);
+  const auto stored = [&](uint64_t extra_bytes, bool lend, bool* tail_written) {
+    void* arena = cpu->allocate_arena(weight_bytes + extra_bytes);
+    std::memset(arena, 0xA5, weight_bytes + extra_bytes);
+    std::vector<uint8_t> bytes;
+    {
+      Memory memory(Device::cpu, arena, weight_bytes + extra_bytes);
+      ModelWeights weights = ModelWeights::allocate(memory, model, DType::bf16, &quant);
+      const Tensor tail = memory.free_tail();
+      EXPECT_EQ(tail.nbytes(), extra_bytes);
+      weights.init_random(*cpu, model, 7, lend ? tail : Tensor{});
+      for (size_t i = 0; i < weights.table.size(); ++i) {
+        if (!weights.is_quantized(i)) continue;
+        const ParamSpec& spec = weights.table[i];
+        const Quantized4bit& q = weights.layers[spec.layer].quantized[static_cast<int>(spec.projection)];
+        for (const Tensor* t : {&q.packed, &q.absmax, &q.nested_absmax})
+          bytes.insert(bytes.end(), t->as<uint8_t>(), t->as<uint8_t>() + t->nbytes());
+      }
+      const uint8_t* tail_begin = static_cast<const uint8_t*>(arena) + weight_bytes;
+      *tail_written = std::any_of(tail_begin, tail_begin + extra_bytes, [](uint8_t b) { return b != 0xA5; });
+    }
+    cpu->free_arena(arena);
+    return bytes;
+  };
+  bool written_without = true, written_with = false, written_small = true;
+  const std::vector<uint8_t> without = stored(tail_bytes, false, &written_without);
+  const std::vector<uint8_t> with_tail = stored(tail_bytes, true, &written_with);
+  // One alignment unit short: the loader allocates its own scratch and leaves the tail alone.
+  const std::vector<uint8_t> too_small = stored(tail_bytes - LifetimeAllocator::kAlignment, true, &written_small);
+  EXPECT_FALSE(written_without);
+  EXPECT_TRUE(written_with);
+  EXPECT_FALSE(written_small);
+  EXPECT_EQ(with_tail, without);
+  EXPECT_EQ(too_small, without);
 }
 
 }  // namespace

@@ -63,7 +63,11 @@ TEST(Engine, PlannedArenaEqualsAllocatedAndNoLiveBuffersOverlap) {
   for (bool ckpt : {false, true}) {
     for (const char* attn : {"eager", "flash"}) {
       for (int64_t mlp_chunk : {0, 7}) {  // 7: the chunked MLP (eval, and the checkpointed step)
+       for (bool offload : {false, true}) {  // the offload ring of layer inputs, with checkpointing
+        if (offload && !ckpt) continue;
+        SCOPED_TRACE(fmt::format("ckpt {} {} chunk {} offload {}", ckpt, attn, mlp_chunk, offload));
         RunConfig run = small_run();
+        run.offload_activations = offload;
         run.lora_dropout = mlp_chunk > 0 ? 0.1 : 0.0;  // and dropout's scratch, chunk-sized
         run.gradient_checkpointing = ckpt;
         run.attn_implementation = attn;
@@ -90,6 +94,8 @@ TEST(Engine, PlannedArenaEqualsAllocatedAndNoLiveBuffersOverlap) {
             ASSERT_TRUE(disjoint) << records[i].name << " and " << records[j].name;
           }
         }
+        EXPECT_EQ(engine->memory().host_bytes(), engine.plan().host_bytes);
+       }
       }
     }
   }

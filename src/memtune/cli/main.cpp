@@ -12,6 +12,8 @@
 #include "memtune/core/bytes.h"
 #include "memtune/data/jsonl_dataset.h"
 #include "memtune/data/sft_dataset.h"
+#include "memtune/dist/communicator.h"
+#include "memtune/dist/launch_env.h"
 #include "memtune/io/file_util.h"
 #include "memtune/io/json_util.h"
 #include "memtune/model/llama_config.h"
@@ -133,6 +135,25 @@ InferenceSetup output_inference_setup(const OutputCommandOptions& o, const Model
   setup.adapter_dir = o.adapter;
   setup.compute_dtype = output_compute_dtype(o, source.config);
   if (o.load_in_4bit) setup.load_in_4bit = QuantConfig{};  // nf4, blocksize 64, double quant
+  // A bitsandbytes 4-bit folder stays in 4 bits with its own settings, as transformers loads it
+  // (from_pretrained of such a folder gives the 4-bit model without a quantization argument).
+  if (!source.checkpoint_dir.empty() && std::filesystem::is_regular_file(source.checkpoint_dir / "config.json")) {
+    const nlohmann::json config_json = read_json_file(source.checkpoint_dir / "config.json");
+    if (config_json.contains("quantization_config")) {
+      QuantConfig quant = parse_quantization_config_json(config_json["quantization_config"]).quant;
+      // quantization_config has no blocksize: each weight's quant_state holds it. The first
+      // 4-bit weight gives it (upload_quantized checks every other weight against it).
+      const BaseCheckpoint base(source.checkpoint_dir, source.config);
+      for (size_t i = 0; i < base.table().size(); ++i) {
+        if (!base.is_4bit(i)) continue;
+        const QuantConfig stored = base.read_4bit(i).config;
+        quant.blocksize = stored.blocksize;
+        quant.nested_blocksize = stored.nested_blocksize;
+        break;
+      }
+      setup.load_in_4bit = quant;
+    }
+  }
   setup.seed = o.seed;
   return setup;
 }
@@ -238,7 +259,7 @@ int run_cli(int argc, char** argv) {
   std::string order;
   // The ladder, sweep and report commands; --metrics is train's too.
   std::string metrics_path, peer_path, ladder_path, vary, sweep_values, sweep_attention = "eager,flash";
-  bool isolate = false, plan_only = false;
+  bool isolate = false, plan_only = false, profile = false;
   int64_t sweep_steps = 2;
 
   CLI::App* plan_cmd = app.add_subcommand("plan", "print the memory plan of a run (no checkpoint, no GPU needed)");
@@ -285,7 +306,11 @@ int run_cli(int argc, char** argv) {
   add_run_options(*fit_cmd, run, flags);
   std::string context = "512MiB";
   fit_cmd->add_option("--vram", vram, "budget, e.g. 24GiB")->required();
+  fit_cmd->add_flag("--json", json, "with --max-context: print one JSON object");
   fit_cmd->add_option("--context", context, "CUDA context + library handles to reserve (the ladder measures it)")->capture_default_str();
+  bool max_context = false;
+  fit_cmd->add_flag("--max-context,--max_context", max_context,
+                    "report the longest max_seq_length at micro-batch 1 that fits, with the full memory stack, with and without --offload_activations");
 
   CLI::App* ladder_cmd = app.add_subcommand("ladder", "the memory ladder: apply memory techniques one at a time");
   add_run_options(*ladder_cmd, run, flags);
@@ -296,6 +321,7 @@ int run_cli(int argc, char** argv) {
   ladder_cmd->add_option("--device", device)->capture_default_str();
   ladder_cmd->add_flag("--quiet", quiet, "no progress line on stderr");
   ladder_cmd->add_flag("--isolate", isolate, "also run each trick alone from the baseline, and the full stack without each");
+  ladder_cmd->add_flag("--profile", profile, "after each rung's steps, time every op of one more step: a per-op table (stdout) and op_profile in ladder.json");
   ladder_cmd->add_option("--peer", peer_path, "peer.json from bench/peer_hf.py: its figures beside memtune's");
   ladder_cmd->add_option("--metrics", metrics_path, "append one JSON line per step and per rung to this .jsonl file");
 
@@ -417,6 +443,25 @@ int run_cli(int argc, char** argv) {
     return 0;
   }
 
+  if (fit_cmd->parsed() && max_context) {
+    const MaxContextReport report = max_context_report(run, model, parse_bytes(vram), parse_bytes(context));
+    if (json) {
+      nlohmann::json out = nlohmann::json::object();
+      for (const MaxContextResult* r : {&report.without_offload, &report.with_offload})
+        out[r->offload_activations ? "with_offload" : "without_offload"] = {
+            {"seq", r->seq}, {"planned_bytes", r->planned_bytes}, {"host_bytes", r->host_bytes},
+            {"at_model_limit", r->at_model_limit}};
+      out["budget_bytes"] = parse_bytes(vram);
+      out["context_bytes"] = parse_bytes(context);
+      std::cout << out.dump(2) << "\n";
+    } else {
+      std::cout << report.text;
+    }
+    MT_USER_CHECK(report.fits(), "no context of {} tokens or more fits --vram {} with the full memory stack, even with offload",
+                  kContextStep, vram);
+    return 0;
+  }
+
   if (fit_cmd->parsed()) {
     const FitResult fit = fit_run(run, model, parse_bytes(vram), parse_bytes(context));
     std::cout << fit.explanation;
@@ -441,6 +486,7 @@ int run_cli(int argc, char** argv) {
     options.steps = ladder_steps;
     options.quiet = quiet;
     options.isolate = isolate;
+    options.profile = profile;
     options.metrics = metrics_path;
     options.commit = git_commit();
     options.date = today();
@@ -489,6 +535,9 @@ int run_cli(int argc, char** argv) {
     return 0;
   }
 
+  // Several GPUs (dist/): one process per GPU from torchrun / mpirun / srun; its GPU first.
+  const LaunchEnv launch = launch_env_from_process();
+  select_local_cuda_device(launch);
   std::unique_ptr<Backend> backend = make_backend(device);
   const Tokenizer tokenizer = load_tokenizer(tokenizer_path);
   const BadLinePolicy policy = bad_line == "skip" ? BadLinePolicy::skip : BadLinePolicy::error;
@@ -551,10 +600,11 @@ int run_cli(int argc, char** argv) {
   } else if (num_train_epochs > 0) {
     std::cerr << "memtune: note: --max_steps " << run.max_steps << " wins over --num_train_epochs\n";
   }
-  const Plan plan = plan_run(run, model);
+  const Plan plan = plan_run(run, model, Device::cuda, launch.world_size);  // one rank's
   std::cerr << format_plan(plan, run, model);
   check_budget(plan, run, model, vram);
-  PlannedEngine engine(*backend, run, model);
+  const std::unique_ptr<Communicator> communicator = make_communicator(launch, backend->device());
+  PlannedEngine engine(*backend, run, model, communicator.get());
   if (!source.checkpoint_dir.empty()) engine->load_base_checkpoint(source.checkpoint_dir);
   else engine->init_random_weights(run.seed);
   engine->init_adapters(run.seed + 1);

@@ -54,6 +54,12 @@ void LifetimeAllocator::release(uint64_t offset) {
   blocks_.erase(it);
 }
 
+Tensor Memory::free_tail() const {
+  const uint64_t end = allocator_.live_end();
+  if (base_ == nullptr || end >= arena_bytes_) return Tensor{};
+  return Tensor{base_ + end, DType::u8, Shape{static_cast<int64_t>(arena_bytes_ - end)}, device_};
+}
+
 Memory::Memory(Device device, void* arena_base, uint64_t arena_bytes)
     : device_(device), base_(static_cast<char*>(arena_base)), arena_bytes_(arena_bytes) {
   MT_ASSERT(device == Device::meta || arena_base != nullptr || arena_bytes == 0);
@@ -90,6 +96,16 @@ void Memory::free(const Tensor& tensor) {
     return;
   }
   MT_ASSERT(false, "free of a tensor this memory did not allocate");
+}
+
+void Memory::record_host(std::string name, uint64_t bytes) {
+  host_records_.push_back(HostAllocationRecord{std::move(name), bytes});
+}
+
+uint64_t Memory::host_bytes() const {
+  uint64_t total = 0;
+  for (const HostAllocationRecord& r : host_records_) total += r.bytes;
+  return total;
 }
 
 std::string Memory::verify_against(const std::vector<AllocationRecord>& planned) const {

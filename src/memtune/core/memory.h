@@ -51,6 +51,8 @@ class LifetimeAllocator {
   const CategoryBytes& at_peak_by_category() const { return at_peak_; }  // sums to peak_live
   const CategoryBytes& max_by_category() const { return max_; }
   size_t live_count() const { return blocks_.size(); }
+  // One past the last byte of the highest live block (0 when nothing is live).
+  uint64_t live_end() const { return blocks_.empty() ? 0 : blocks_.back().offset + blocks_.back().bytes; }
 
  private:
   struct Block {
@@ -72,6 +74,13 @@ struct AllocationRecord {
   int64_t freed_at = -1;     // index of the event that freed it; -1: alive at the end
 };
 
+// Host memory that a run allocates once beside the device arena (pinned, for offloaded
+// activations): recorded so that the plan shows it and a test can compare it with the engine's.
+struct HostAllocationRecord {
+  std::string name;
+  uint64_t bytes;
+};
+
 // The memory of one run on one device: an arena base pointer (null on the meta device) and the
 // allocator that places buffers in it.
 class Memory {
@@ -82,9 +91,20 @@ class Memory {
   Tensor alloc(std::string name, MemCategory category, DType dtype, Shape shape);
   void free(const Tensor& tensor);
 
+  // Records host bytes that the caller allocated (Backend::allocate_host), for the plan.
+  void record_host(std::string name, uint64_t bytes);
+  const std::vector<HostAllocationRecord>& host_records() const { return host_records_; }
+  uint64_t host_bytes() const;
+
   const LifetimeAllocator& allocator() const { return allocator_; }
   const std::vector<AllocationRecord>& records() const { return records_; }
   uint64_t arena_bytes() const { return arena_bytes_; }
+  // The arena past the highest live buffer, as a u8 tensor: free until the next alloc. Before
+  // the first step only the persistent buffers (weights, adapters, optimizer) are live, and the
+  // activations' space above them is unused; the engine lends it to the weight loader for the
+  // dense copy of a projection it quantizes, so that loading stays inside the planned arena.
+  // Empty on the meta device.
+  Tensor free_tail() const;
   // Record-by-record comparison with a plan made on the meta device. Returns an empty string
   // when they agree, else a description of the first difference.
   std::string verify_against(const std::vector<AllocationRecord>& planned) const;
@@ -95,6 +115,7 @@ class Memory {
   uint64_t arena_bytes_;  // 0 on the meta device: unbounded
   LifetimeAllocator allocator_;
   std::vector<AllocationRecord> records_;
+  std::vector<HostAllocationRecord> host_records_;
   std::vector<std::pair<uint64_t, size_t>> live_records_;  // offset -> record index
   int64_t events_ = 0;
 };

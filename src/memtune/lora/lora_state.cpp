@@ -6,12 +6,37 @@
 
 namespace memtune {
 
+namespace {
+
+constexpr int64_t kFlatAlignElements = 64;  // 256 bytes: what every arena buffer gets
+
+Tensor flat_view(const Tensor& flat, int64_t offset, Shape shape) {
+  Tensor t = flat;
+  t.shape = shape;
+  if (flat.data != nullptr) t.data = flat.as<float>() + offset;
+  return t;
+}
+
+}  // namespace
+
+int64_t LoraState::flat_offset(const Tensor& view) const {
+  MT_ASSERT(!flat_params_.empty(), "flat_offset without the flat layout");
+  for (const Tensor* flat : {&flat_params_, &flat_grads_}) {
+    const char* base = static_cast<const char*>(flat->data);
+    const char* at = static_cast<const char*>(view.data);
+    if (at >= base && at < base + flat->nbytes()) return (at - base) / static_cast<int64_t>(sizeof(float));
+  }
+  MT_ASSERT(false, "a tensor outside the flat adapter buffers");
+  return 0;
+}
+
 LoraState LoraState::allocate(Memory& memory, const LlamaConfig& model, const LoraConfig& lora,
-                              DType compute_dtype, bool with_optimizer) {
+                              DType compute_dtype, bool with_optimizer, int64_t flat_multiple) {
   LoraState state;
   state.config_ = lora;
   state.specs_ = lora_table(model, lora);
   state.index_.assign(model.num_hidden_layers * kNumProjections, -1);
+  if (flat_multiple > 0) return allocate_flat(state, memory, compute_dtype, with_optimizer, flat_multiple);
   // Grouped by role so that the plan reads per category, as the buffers would be laid out.
   state.tensors_.resize(state.specs_.size());
   for (size_t i = 0; i < state.specs_.size(); ++i) {
@@ -55,6 +80,60 @@ LoraState LoraState::allocate(Memory& memory, const LlamaConfig& model, const Lo
   return state;
 }
 
+LoraState LoraState::allocate_flat(LoraState& state, Memory& memory, DType compute_dtype,
+                                   bool with_optimizer, int64_t flat_multiple) {
+  // Offsets of A then B of each spec, in table order (layer by layer: what grad buckets need).
+  std::vector<std::pair<int64_t, int64_t>> offsets;
+  int64_t end = 0;
+  for (const LoraSpec& spec : state.specs_) {
+    const int64_t a = end;
+    const int64_t b = a + (spec.a_shape.numel() + kFlatAlignElements - 1) / kFlatAlignElements * kFlatAlignElements;
+    end = b + (spec.b_shape.numel() + kFlatAlignElements - 1) / kFlatAlignElements * kFlatAlignElements;
+    offsets.push_back({a, b});
+  }
+  const int64_t padded = (end + flat_multiple - 1) / flat_multiple * flat_multiple;
+  state.flat_params_ = memory.alloc("lora.flat_params", MemCategory::adapters, DType::f32, Shape{padded});
+  state.tensors_.resize(state.specs_.size());
+  for (size_t i = 0; i < state.specs_.size(); ++i) {
+    const LoraSpec& spec = state.specs_[i];
+    LoraTensors& t = state.tensors_[i];
+    state.index_[spec.layer * kNumProjections + static_cast<int>(spec.projection)] = static_cast<int>(i);
+    t.a = flat_view(state.flat_params_, offsets[i].first, spec.a_shape);
+    t.b = flat_view(state.flat_params_, offsets[i].second, spec.b_shape);
+  }
+  for (size_t i = 0; i < state.specs_.size(); ++i) {
+    const LoraSpec& spec = state.specs_[i];
+    LoraTensors& t = state.tensors_[i];
+    if (compute_dtype == DType::f32) {
+      t.a_compute = t.a;
+      t.b_compute = t.b;
+    } else {
+      t.a_compute = memory.alloc(spec.a_key + ".compute", MemCategory::adapters, compute_dtype, spec.a_shape);
+      t.b_compute = memory.alloc(spec.b_key + ".compute", MemCategory::adapters, compute_dtype, spec.b_shape);
+    }
+  }
+  state.flat_grads_ = memory.alloc("lora.flat_grads", MemCategory::adapter_grads, DType::f32, Shape{padded});
+  for (size_t i = 0; i < state.specs_.size(); ++i) {
+    LoraTensors& t = state.tensors_[i];
+    t.grad_a = flat_view(state.flat_grads_, offsets[i].first, state.specs_[i].a_shape);
+    t.grad_b = flat_view(state.flat_grads_, offsets[i].second, state.specs_[i].b_shape);
+  }
+  if (with_optimizer) {
+    for (size_t i = 0; i < state.specs_.size(); ++i) {
+      const LoraSpec& spec = state.specs_[i];
+      LoraTensors& t = state.tensors_[i];
+      const auto moment = [&](const std::string& key, const char* which, Shape shape) {
+        return memory.alloc(key + which, MemCategory::optimizer_state, DType::f32, shape);
+      };
+      t.exp_avg_a = moment(spec.a_key, ".exp_avg", spec.a_shape);
+      t.exp_avg_sq_a = moment(spec.a_key, ".exp_avg_sq", spec.a_shape);
+      t.exp_avg_b = moment(spec.b_key, ".exp_avg", spec.b_shape);
+      t.exp_avg_sq_b = moment(spec.b_key, ".exp_avg_sq", spec.b_shape);
+    }
+  }
+  return std::move(state);
+}
+
 const LoraTensors* LoraState::find(int layer, Projection projection) const {
   const int i = index_[layer * kNumProjections + static_cast<int>(projection)];
   return i < 0 ? nullptr : &tensors_[i];
@@ -71,6 +150,10 @@ void LoraState::init_peft(Backend& backend, uint64_t seed) const {
 }
 
 void LoraState::zero_grads(Backend& backend) const {
+  if (!flat_grads_.empty()) {
+    backend.fill(flat_grads_, 0.0f);  // the gaps and the padding too
+    return;
+  }
   for (const LoraTensors& t : tensors_) {
     backend.fill(t.grad_a, 0.0f);
     backend.fill(t.grad_b, 0.0f);

@@ -20,8 +20,13 @@ struct LoraTensors {
 
 class LoraState {
  public:
+  // flat_multiple 0: one buffer per tensor (a single-device run). flat_multiple > 0 (data
+  // parallel, dist/): the f32 masters are views into one flat buffer and the grads into
+  // another, each tensor at a 64-element-aligned offset in table order (layer by layer), the
+  // buffers padded to a multiple of flat_multiple elements; gaps and padding are zeroed with the
+  // grads, so the flat buffers can be reduced, sharded and gathered whole.
   static LoraState allocate(Memory& memory, const LlamaConfig& model, const LoraConfig& lora,
-                            DType compute_dtype, bool with_optimizer);
+                            DType compute_dtype, bool with_optimizer, int64_t flat_multiple = 0);
 
   const LoraConfig& config() const { return config_; }
   const std::vector<LoraSpec>& specs() const { return specs_; }
@@ -30,6 +35,11 @@ class LoraState {
   // nullptr when (layer, projection) has no adapter.
   const LoraTensors* find(int layer, Projection projection) const;
   int64_t parameter_count() const { return count_lora_parameters(specs_); }
+  // The flat buffers (f32 [padded elements]); empty without the flat layout.
+  const Tensor& flat_params() const { return flat_params_; }
+  const Tensor& flat_grads() const { return flat_grads_; }
+  // Element offset of a master / grad view in its flat buffer (flat layout only).
+  int64_t flat_offset(const Tensor& view) const;
 
   // PEFT init: A ~ kaiming_uniform(a=sqrt(5)) = U(-1/sqrt(in), 1/sqrt(in)), B = 0.
   void init_peft(Backend& backend, uint64_t seed) const;
@@ -39,10 +49,14 @@ class LoraState {
   void sync_compute_copies(Backend& backend) const;
 
  private:
+  static LoraState allocate_flat(LoraState& state, Memory& memory, DType compute_dtype,
+                                 bool with_optimizer, int64_t flat_multiple);
+
   LoraConfig config_;
   std::vector<LoraSpec> specs_;
   std::vector<LoraTensors> tensors_;
   std::vector<int> index_;  // layer * kNumProjections + projection -> tensors_ index or -1
+  Tensor flat_params_, flat_grads_;
 };
 
 }  // namespace memtune

@@ -30,15 +30,19 @@ Quantized4bit allocate_quantized(Memory& memory, const std::string& key, Shape s
   return q;
 }
 
-// A temporary device buffer outside the planned arena, for the dense weight that quantize_4bit
-// reads. It lives only while weights are initialised or loaded, before training starts, and is
-// freed on every path out (quantize_4bit throws for NaN / Inf weights).
+// The device buffer for the dense weight that quantize_4bit reads, while weights are initialised
+// or loaded (before training starts). It is the lent tensor (Memory::free_tail: planned arena
+// space that no buffer uses yet) when that is large enough; otherwise a temporary allocation
+// outside the arena, freed on every path out (quantize_4bit throws for NaN / Inf weights).
 class ScratchArena {
  public:
-  ScratchArena(Backend& backend, uint64_t bytes)
-      : backend_(backend), base_(bytes > 0 ? backend.allocate_arena(bytes) : nullptr), bytes_(bytes) {}
+  ScratchArena(Backend& backend, uint64_t bytes, const Tensor& lent)
+      : backend_(backend),
+        owned_(bytes > 0 && lent.nbytes() < bytes),
+        base_(owned_ ? backend.allocate_arena(bytes) : lent.data),
+        bytes_(owned_ ? bytes : lent.nbytes()) {}
   ~ScratchArena() {
-    if (base_ != nullptr) backend_.free_arena(base_);
+    if (owned_) backend_.free_arena(base_);
   }
   ScratchArena(const ScratchArena&) = delete;
   ScratchArena& operator=(const ScratchArena&) = delete;
@@ -51,6 +55,7 @@ class ScratchArena {
 
  private:
   Backend& backend_;
+  bool owned_;
   void* base_;
   uint64_t bytes_;
 };
@@ -58,7 +63,10 @@ class ScratchArena {
 }  // namespace
 
 ModelWeights ModelWeights::allocate(Memory& memory, const LlamaConfig& config, DType storage,
-                                    const QuantConfig* quant) {
+                                    const QuantConfig* quant, Backend* embeddings_on_host) {
+  MT_USER_CHECK(embeddings_on_host == nullptr || !config.tie_word_embeddings,
+                "offload_embeddings needs untied embeddings: this model's LM head is its embedding "
+                "table, which every LM-head GEMM would then read over PCIe");
   ModelWeights weights;
   weights.table = base_parameter_table(config);
   weights.layers.resize(config.num_hidden_layers);
@@ -69,7 +77,18 @@ ModelWeights ModelWeights::allocate(Memory& memory, const LlamaConfig& config, D
       weights.tensors.emplace_back();
       continue;
     }
-    Tensor t = memory.alloc(spec.hf_key, MemCategory::frozen_weights, storage, spec.shape);
+    Tensor t;
+    if (spec.kind == ParamKind::embedding && embeddings_on_host != nullptr) {
+      t.dtype = storage;
+      t.shape = spec.shape;
+      t.device = memory.device();  // read by the device's kernels in place
+      Backend* backend = embeddings_on_host;
+      t.data = backend->allocate_host(t.nbytes());  // null on the meta device: nothing is stored
+      if (t.data != nullptr) weights.host_storage.reset(t.data, [backend](void* p) { backend->free_host(p); });
+      memory.record_host(spec.hf_key, t.nbytes());
+    } else {
+      t = memory.alloc(spec.hf_key, MemCategory::frozen_weights, storage, spec.shape);
+    }
     weights.tensors.push_back(t);
     switch (spec.kind) {
       case ParamKind::embedding: weights.embed_tokens = t; break;
@@ -95,14 +114,15 @@ bool ModelWeights::is_quantized(size_t index) const {
          !layers[spec.layer].quantized[static_cast<int>(spec.projection)].empty();
 }
 
-void ModelWeights::upload(Backend& backend, size_t index, const void* host, DType host_dtype) {
+void ModelWeights::upload(Backend& backend, size_t index, const void* host, DType host_dtype,
+                          const Tensor& lent_scratch) {
   const ParamSpec& spec = table[index];
   if (is_quantized(index)) {
     // Quantized on the backend's device: the dense weight goes to a scratch there first (its
     // own dtype: the codes do not depend on where it is quantized, and a bf16 checkpoint needs
     // half the bytes of f32). On the CPU backend this is the host reference itself.
     Quantized4bit& q = layers[spec.layer].quantized[static_cast<int>(spec.projection)];
-    ScratchArena scratch(backend, static_cast<uint64_t>(spec.shape.numel()) * dtype_size(host_dtype));
+    ScratchArena scratch(backend, static_cast<uint64_t>(spec.shape.numel()) * dtype_size(host_dtype), lent_scratch);
     const Tensor dense = scratch.tensor(host_dtype, spec.shape);
     backend.copy_from_host(dense, host);
     backend.quantize_4bit(q, dense, spec.hf_key);
@@ -148,7 +168,8 @@ void ModelWeights::upload_quantized(Backend& backend, size_t index, const Quanti
   }
 }
 
-void ModelWeights::init_random(Backend& backend, const LlamaConfig& config, uint64_t seed) {
+void ModelWeights::init_random(Backend& backend, const LlamaConfig& config, uint64_t seed,
+                               const Tensor& lent_scratch) {
   const float std_dev = static_cast<float>(config.initializer_range);
   // 4-bit projections are drawn on the device into one f32 scratch (the largest projection's
   // size, freed on return) and quantized there: the same f32 values a dense run draws
@@ -157,7 +178,7 @@ void ModelWeights::init_random(Backend& backend, const LlamaConfig& config, uint
   int64_t largest_quantized = 0;
   for (size_t i = 0; i < table.size(); ++i)
     if (is_quantized(i)) largest_quantized = std::max(largest_quantized, table[i].shape.numel());
-  ScratchArena scratch(backend, static_cast<uint64_t>(largest_quantized) * sizeof(float));
+  ScratchArena scratch(backend, static_cast<uint64_t>(largest_quantized) * sizeof(float), lent_scratch);
   for (size_t i = 0; i < table.size(); ++i) {
     const uint64_t tensor_seed = seed * 1000003 + i;
     if (is_quantized(i)) {

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <array>
+#include <memory>
 #include <vector>
 
 #include "memtune/core/memory.h"
@@ -24,23 +25,33 @@ struct ModelWeights {
   std::vector<Tensor> tensors;  // tensors[i] holds table[i]
   Tensor embed_tokens, final_norm, lm_head;  // lm_head aliases embed_tokens when tied
   std::vector<LayerWeights> layers;
+  // Host memory that some tensors live in (offload_embeddings); freed with the last copy.
+  std::shared_ptr<void> host_storage;
 
   // Allocates every parameter (category frozen_weights) in `storage` dtype; with `quant`, the
   // seven projections are stored in 4 bits (codes: frozen_weights; absmax and maps:
   // quant_constants) and embeddings, norms and the LM head stay in `storage`.
+  // embeddings_on_host: the input embedding table lives in host memory from
+  // backend.allocate_host (pinned on CUDA, where kernels read it through unified addressing),
+  // recorded in memory.record_host instead of the arena. Untied embeddings only.
   static ModelWeights allocate(Memory& memory, const LlamaConfig& config, DType storage,
-                               const QuantConfig* quant = nullptr);
+                               const QuantConfig* quant = nullptr,
+                               Backend* embeddings_on_host = nullptr);
   // Seeded random init as transformers does it: normal(0, initializer_range) for matrices,
   // ones for norms. Memory and speed do not depend on the values. Tensor i draws
   // fill_random(seed * 1000003 + i); a 4-bit projection draws those f32 values into a temporary
   // device scratch (the largest projection's size in f32, outside the arena, freed on return)
-  // and is quantized there by backend.quantize_4bit.
-  void init_random(Backend& backend, const LlamaConfig& config, uint64_t seed);
+  // and is quantized there by backend.quantize_4bit. lent_scratch (u8, device): space to use
+  // for that scratch instead when it is large enough (the engine lends Memory::free_tail, so that
+  // nothing is allocated outside the plan).
+  void init_random(Backend& backend, const LlamaConfig& config, uint64_t seed,
+                   const Tensor& lent_scratch = Tensor{});
   // Stores table[index] from host data (f32/f16/bf16), converting or quantizing it. A 4-bit
   // projection is copied to a temporary device scratch in host_dtype and quantized there by
   // backend.quantize_4bit (the host reference on the CPU backend); NaN / Inf throws
-  // memtune::Error naming the tensor.
-  void upload(Backend& backend, size_t index, const void* host, DType host_dtype);
+  // memtune::Error naming the tensor. lent_scratch as for init_random.
+  void upload(Backend& backend, size_t index, const void* host, DType host_dtype,
+              const Tensor& lent_scratch = Tensor{});
   // Stores a 4-bit projection (is_quantized(index)) from a pre-quantized checkpoint weight: the
   // codes, absmax (or absmax codes + nested absmax), maps and nested offset are copied as they
   // are. A weight whose quant type, blocksize, double quant or nested blocksize differs from the

@@ -1,10 +1,23 @@
 #include "memtune/ops/backend.h"
 
+#include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
 namespace memtune {
+
+void* Backend::allocate_host(uint64_t bytes) {
+  // Page-aligned, as the CPU arena: every offset the step uses is a multiple of 256.
+  constexpr uint64_t kAlignment = 4096;
+  const uint64_t rounded = std::max<uint64_t>(kAlignment, (bytes + kAlignment - 1) / kAlignment * kAlignment);
+  void* base = std::aligned_alloc(kAlignment, rounded);
+  MT_USER_CHECK(base != nullptr, "{} bytes of host memory (offloaded activations or embeddings) could not be allocated", bytes);
+  return base;
+}
+
+void Backend::free_host(void* base) { std::free(base); }
 
 float Backend::read_scalar(const Tensor& scalar) {
   MT_ASSERT(scalar.dtype == DType::f32 && scalar.numel() == 1);

@@ -50,6 +50,11 @@ struct Quantized4bit {
   bool empty() const { return packed.empty(); }
 };
 
+// A handle to an event of the backend's copy stream (see Backend::create_event).
+struct CopyEvent {
+  int32_t id = -1;
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -69,6 +74,33 @@ class Backend {
   // falls back to scratch that the backend allocates itself on first use.
   virtual uint64_t workspace_bytes() const { return 0; }
   virtual void bind_workspace(const Tensor& workspace) {}
+
+  // ---- offload: pinned host memory, a copy stream and events ----
+  // Activation offloading moves device buffers to host memory and back while the ops run. The
+  // copies go on a copy stream beside the compute stream (which runs every op and every other
+  // copy), so that they overlap with the arithmetic. Each asynchronous copy begins only after
+  // all the work issued to the compute stream before it (so it reads a finished source, and it
+  // does not overwrite a destination that an earlier op still reads), and it records `done` on
+  // the copy stream; compute_wait(done) makes the compute work issued after it wait for the
+  // copy. The defaults are synchronous (plain copies: done is complete at once), which is
+  // exactly the ordering above, on a backend that has one stream.
+  //
+  // Host memory for these copies is allocated once per run, like the arena (pinned on CUDA, so
+  // that the copies are asynchronous and run at full link speed); the step records its bytes in
+  // Memory so that the plan shows them.
+  virtual void* allocate_host(uint64_t bytes);
+  virtual void free_host(void* base);
+  // Events are created once per run, not per step.
+  virtual CopyEvent create_event() { return CopyEvent{next_event_id_++}; }
+  virtual void destroy_event(CopyEvent) {}
+  virtual void copy_to_host_async(void* host_dst, const Tensor& src, CopyEvent /*done*/) {
+    copy_to_host(host_dst, src);
+  }
+  virtual void copy_from_host_async(const Tensor& dst, const void* host_src, CopyEvent /*done*/) {
+    copy_from_host(dst, host_src);
+  }
+  virtual void compute_wait(CopyEvent /*done*/) {}
+  // ---- end offload ----
 
   // ---- elementwise ----------------------------------------------------------------------
   virtual void fill(const Tensor& dst, float value) = 0;
@@ -206,6 +238,9 @@ class Backend {
 
   // Reads one f32 from device memory (synchronises).
   float read_scalar(const Tensor& scalar);
+
+ private:
+  int32_t next_event_id_ = 0;
 };
 
 // ---- QLoRA: quantize on the device (quant4bit) ----

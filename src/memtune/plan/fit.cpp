@@ -67,4 +67,82 @@ FitResult fit_run(const RunConfig& base, const LlamaConfig& model, uint64_t budg
   return result;
 }
 
+// ---- fit --max-context ----
+
+RunConfig max_context_stack(const RunConfig& base, bool offload_activations) {
+  RunConfig run = base;
+  if (run.precision == Precision::fp32) run.precision = Precision::bf16;
+  run.attn_implementation = "flash";
+  run.loss_implementation = "chunked";
+  run.gradient_checkpointing = true;
+  run.load_in_4bit = true;
+  run.bnb_4bit_compute_dtype.clear();  // the stack's precision
+  if (run.mlp_chunk_tokens <= 0) run.mlp_chunk_tokens = RunConfig{}.mlp_chunk_tokens;
+  run.offload_activations = offload_activations;
+  run.per_device_train_batch_size = 1;
+  run.gradient_accumulation_steps = 1;
+  return run;
+}
+
+MaxContextResult max_context(const RunConfig& base, const LlamaConfig& model, uint64_t budget,
+                             uint64_t context, bool offload_activations) {
+  RunConfig run = max_context_stack(base, offload_activations);
+  MaxContextResult result;
+  result.offload_activations = offload_activations;
+  const int64_t model_limit = model.max_position_embeddings > 0 ? model.max_position_embeddings : int64_t{1} << 20;
+  // The plan grows with seq: the longest fitting multiple of kContextStep (or the model's limit).
+  auto plan_at = [&](int64_t seq) {
+    run.max_seq_length = seq;
+    return plan_run(run, model);
+  };
+  auto record = [&](int64_t seq, const Plan& plan) {
+    result.seq = seq;
+    result.planned_bytes = plan.arena_bytes;
+    result.host_bytes = plan.host_bytes;
+  };
+  const Plan at_limit = plan_at(model_limit);
+  if (at_limit.arena_bytes + context <= budget) {
+    record(model_limit, at_limit);
+    result.at_model_limit = true;
+    return result;
+  }
+  int64_t low = 0, high = (model_limit - 1) / kContextStep;  // steps: low fits (0: none), high + 1 does not
+  while (low < high) {
+    const int64_t mid = low + (high - low + 1) / 2;
+    const Plan plan = plan_at(mid * kContextStep);
+    if (plan.arena_bytes + context <= budget) low = mid, record(mid * kContextStep, plan);
+    else high = mid - 1;
+  }
+  return result;
+}
+
+MaxContextReport max_context_report(const RunConfig& base, const LlamaConfig& model, uint64_t budget,
+                                    uint64_t context) {
+  MaxContextReport report;
+  report.without_offload = max_context(base, model, budget, context, false);
+  report.with_offload = max_context(base, model, budget, context, true);
+  const RunConfig stack = max_context_stack(base, false);
+  report.text = fmt::format(
+      "longest context at micro-batch 1 in {} ({} of it CUDA context), from the plan: {} + flash + "
+      "chunked loss + gradient checkpointing + QLoRA ({}), token chunks of {}, LoRA r{}; searched in "
+      "steps of {} tokens up to the model's {}:\n",
+      format_bytes(budget), format_bytes(context), precision_name(stack.precision),
+      quant_type_name(stack.quant.type), stack.mlp_chunk_tokens, stack.lora_r, kContextStep,
+      model.max_position_embeddings);
+  for (const MaxContextResult* r : {&report.without_offload, &report.with_offload}) {
+    const char* name = r->offload_activations ? "with --offload_activations" : "without offload";
+    if (r->seq == 0) {
+      report.text += fmt::format("  {:<28} nothing fits (not even {} tokens)\n", name, kContextStep);
+      continue;
+    }
+    report.text += fmt::format("  {:<28} {:>8} tokens: device {} (arena {} + context){}{}\n", name, r->seq,
+                               format_bytes(r->planned_bytes + context), format_bytes(r->planned_bytes),
+                               r->offload_activations ? fmt::format(", pinned host {}", format_bytes(r->host_bytes)) : "",
+                               r->at_model_limit ? "; the model's limit, not memory" : "");
+  }
+  return report;
+}
+
+// ---- end fit --max-context ----
+
 }  // namespace memtune

@@ -20,4 +20,30 @@ struct FitResult {
 FitResult fit_run(const RunConfig& base, const LlamaConfig& model, uint64_t budget_bytes,
                   uint64_t context_bytes);
 
+// ---- fit --max-context ----
+// The longest max_seq_length at micro-batch 1 whose plan plus the context fits the budget, with
+// the full memory stack: bf16 (fp16 when asked), flash attention, chunked loss, gradient
+// checkpointing, the 4-bit base, token chunks; the rest (LoRA, chunk sizes, quantization) from
+// `base`. Searched in steps of kContextStep tokens up to the model's max_position_embeddings.
+constexpr int64_t kContextStep = 256;
+RunConfig max_context_stack(const RunConfig& base, bool offload_activations);
+struct MaxContextResult {
+  bool offload_activations = false;
+  int64_t seq = 0;               // 0: not even kContextStep tokens fit
+  uint64_t planned_bytes = 0;    // the arena at that seq
+  uint64_t host_bytes = 0;       // pinned host memory at that seq (offload)
+  bool at_model_limit = false;   // the model's max_position_embeddings fits: it, not memory, limits
+};
+MaxContextResult max_context(const RunConfig& base, const LlamaConfig& model, uint64_t budget_bytes,
+                             uint64_t context_bytes, bool offload_activations);
+// Both searches (without and with offload) as a table; fits is false when neither fits at all.
+struct MaxContextReport {
+  MaxContextResult without_offload, with_offload;
+  std::string text;
+  bool fits() const { return without_offload.seq > 0 || with_offload.seq > 0; }
+};
+MaxContextReport max_context_report(const RunConfig& base, const LlamaConfig& model,
+                                    uint64_t budget_bytes, uint64_t context_bytes);
+// ---- end fit --max-context ----
+
 }  // namespace memtune

@@ -15,6 +15,8 @@ nlohmann::json run_config_json(const RunConfig& run, const LlamaConfig& model) {
           {"loss_implementation", run.loss_implementation},
           {"loss_chunk_tokens", run.loss_chunk_tokens},
           {"mlp_chunk_tokens", run.mlp_chunk_tokens},
+          {"offload_activations", run.offload_activations},
+          {"offload_embeddings", run.offload_embeddings},
           {"gradient_checkpointing", run.gradient_checkpointing},
           {"per_device_train_batch_size", run.per_device_train_batch_size},
           {"gradient_accumulation_steps", run.gradient_accumulation_steps},
@@ -35,8 +37,17 @@ nlohmann::json plan_json(const Plan& plan, const RunConfig& run, const LlamaConf
     categories[std::string(category_name(category_at(c)))] = plan.at_peak[c];
     max[std::string(category_name(category_at(c)))] = plan.max_by_category[c];
   }
+  // Host memory is not part of the device peak: its own object.
+  nlohmann::json host = nlohmann::json::object();
+  host["offloaded_activations"] = 0;
+  for (const HostAllocationRecord& r : plan.host_records) {
+    const char* key = r.name == "model.embed_tokens.weight" ? "embeddings" : "offloaded_activations";
+    host[key] = host.value(key, uint64_t{0}) + r.bytes;
+  }
   return {{"categories", categories},
           {"max_by_category", max},
+          {"host_categories", host},
+          {"host_bytes", plan.host_bytes},
           {"peak_bytes", plan.arena_bytes},
           {"peak_live_bytes", plan.peak_live_bytes},
           {"trainable_parameters", plan.trainable_parameters},
@@ -48,10 +59,11 @@ nlohmann::json plan_json(const Plan& plan, const RunConfig& run, const LlamaConf
 
 std::string format_plan(const Plan& plan, const RunConfig& run, const LlamaConfig& model) {
   std::string out = fmt::format(
-      "memtune plan: {} | {} | attention {} | checkpointing {} | loss {} | batch {} x seq {} "
+      "memtune plan: {} | {} | attention {} | checkpointing {}{} | loss {} | batch {} x seq {} "
       "(accumulation {}) | LoRA r{} alpha {} on {}\n",
       model.name.empty() ? run.model : model.name, precision_name(run.precision),
-      run.attn_implementation, run.gradient_checkpointing ? "on" : "off", run.loss_implementation,
+      run.attn_implementation, run.gradient_checkpointing ? "on" : "off",
+      run.offload_activations ? " + offload" : "", run.loss_implementation,
       run.per_device_train_batch_size, run.max_seq_length, run.gradient_accumulation_steps,
       run.lora_r, run.lora_alpha, run.lora_target_modules);
   out += fmt::format("  {:<24}{:>14}{:>14}\n", "category", "at peak", "own max");
@@ -59,6 +71,13 @@ std::string format_plan(const Plan& plan, const RunConfig& run, const LlamaConfi
     out += fmt::format("  {:<24}{:>14}{:>14}\n", category_label(category_at(c)),
                        format_bytes(plan.at_peak[c]), format_bytes(plan.max_by_category[c]));
   out += fmt::format("  {:<24}{:>14}\n", "peak (arena)", format_bytes(plan.arena_bytes));
+  // Host memory, beside the device arena (pinned, allocated once; not in the device peak).
+  if (plan.host_records.empty())
+    out += fmt::format("  {:<24}{:>14}   host (pinned), not in the device peak\n", "host memory", format_bytes(0));
+  for (const HostAllocationRecord& r : plan.host_records)
+    out += fmt::format("  {:<24}{:>14}   host (pinned), not in the device peak\n",
+                       r.name == "model.embed_tokens.weight" ? "offloaded embeddings" : "offloaded activations",
+                       format_bytes(r.bytes));
   out += fmt::format("  parameters: {} frozen, {} trainable; {} allocations planned in {:.3f} s\n",
                      plan.frozen_parameters, plan.trainable_parameters, plan.records.size(),
                      plan.seconds);
@@ -76,6 +95,8 @@ std::string fit_advice(const RunConfig& run, const LlamaConfig& model, uint64_t 
       {"--gradient_checkpointing", [](RunConfig& r) { if (r.gradient_checkpointing) return false; r.gradient_checkpointing = true; return true; }},
       {"--attn_implementation flash", [](RunConfig& r) { if (r.attn_implementation != "eager") return false; r.attn_implementation = "flash"; return true; }},
       {"--loss_implementation chunked", [](RunConfig& r) { if (r.loss_implementation == "chunked") return false; r.loss_implementation = "chunked"; return true; }},
+      {"--offload_activations (with checkpointing)", [](RunConfig& r) { if (r.offload_activations) return false; r.offload_activations = r.gradient_checkpointing = true; return true; }},
+      {"--offload_embeddings", [&model](RunConfig& r) { if (r.offload_embeddings || model.tie_word_embeddings) return false; r.offload_embeddings = true; return true; }},
       {"halve --per_device_train_batch_size (double accumulation)", [](RunConfig& r) { if (r.per_device_train_batch_size < 2) return false; r.per_device_train_batch_size /= 2; r.gradient_accumulation_steps *= 2; return true; }},
       {"halve --max_seq_length", [](RunConfig& r) { if (r.max_seq_length < 4) return false; r.max_seq_length /= 2; return true; }},
   };

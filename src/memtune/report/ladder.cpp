@@ -166,6 +166,8 @@ nlohmann::json run_ladder(const LadderOptions& options) {
                          {{"command", "ladder"}, {"section", e.section}, {"index", i},
                           {"rung", e.rung["name"]}},
                          work_done};
+      hooks.profile = options.profile;
+      hooks.profile_log = stdout;
       measure_rung(e.rung, e.run, model, device, options.steps, hooks);
       work_done += tokens_per_step(e.run) * static_cast<double>(options.steps);
       progress.set_work_done(work_done);

@@ -20,6 +20,7 @@ struct LadderOptions {
   int64_t steps = 3;               // optimizer steps measured per rung
   std::vector<std::string> order;  // trick names; empty: the seed's order
   bool isolate = false;            // --isolate: also each trick alone, and each removed
+  bool profile = false;            // --profile: one more step per rung with every op timed
   bool quiet = false;              // no progress line
   std::filesystem::path metrics;   // --metrics: JSONL of steps and rungs; empty: none
   std::string commit, date;

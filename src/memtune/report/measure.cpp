@@ -10,6 +10,7 @@
 #include "memtune/core/bytes.h"
 #include "memtune/data/jsonl_dataset.h"
 #include "memtune/ops/device.h"
+#include "memtune/ops/timed_backend.h"
 #include "memtune/train/engine_arena.h"
 
 #ifdef MEMTUNE_WITH_CUDA
@@ -128,15 +129,15 @@ void measure_rung(nlohmann::json& rung, const RunConfig& run, const LlamaConfig&
                   int64_t steps, const MeasureHooks& hooks) {
   std::unique_ptr<Backend> backend = make_backend(device.option);
   const uint64_t in_use_before = device_memory_in_use(*backend);
-  PlannedEngine engine(*backend, run, model);
+  // Every op goes through the timing wrapper; it times only the profile step (hooks.profile).
+  TimedBackend timed(*backend);
+  PlannedEngine engine(timed, run, model);
   engine->init_random_weights(run.seed);
   engine->init_adapters(run.seed + 1);
   const int64_t per_step = run.per_device_train_batch_size * run.gradient_accumulation_steps;
-  const Dataset data = synthetic_dataset(per_step * steps, run.max_seq_length, model.vocab_size, run.seed);
-  double timed_seconds = 0;
-  int64_t timed_tokens = 0;
-  double loss = 0;
-  for (int64_t s = 0; s < steps; ++s) {
+  const int64_t data_steps = steps + (hooks.profile ? 1 : 0);
+  const Dataset data = synthetic_dataset(per_step * data_steps, run.max_seq_length, model.vocab_size, run.seed);
+  const auto micro_batches = [&](int64_t s) {
     std::vector<HostMicroBatch> batches;
     for (int64_t m = 0; m < run.gradient_accumulation_steps; ++m) {
       std::vector<std::vector<int32_t>> ids;
@@ -144,6 +145,13 @@ void measure_rung(nlohmann::json& rung, const RunConfig& run, const LlamaConfig&
         ids.push_back(data.samples[(s * per_step + m * run.per_device_train_batch_size + b)].input_ids);
       batches.push_back(make_micro_batch(ids, ids, run.max_seq_length));
     }
+    return batches;
+  };
+  double timed_seconds = 0;
+  int64_t timed_tokens = 0;
+  double loss = 0;
+  for (int64_t s = 0; s < steps; ++s) {
+    const std::vector<HostMicroBatch> batches = micro_batches(s);
     const auto start = std::chrono::steady_clock::now();
     const StepReport report = engine->train_step(batches);
     backend->synchronize();
@@ -169,6 +177,14 @@ void measure_rung(nlohmann::json& rung, const RunConfig& run, const LlamaConfig&
       hooks.progress->update(fmt::format("{}  step {}/{}  loss {:.4f}  {:.2f} s/step", hooks.label, s + 1, steps,
                                          report.loss, seconds));
     }
+  }
+  if (hooks.profile) {
+    timed.set_enabled(true);
+    (void)engine->train_step(micro_batches(steps));
+    timed.set_enabled(false);
+    rung["op_profile"] = timed.to_json();
+    if (hooks.profile_log != nullptr)
+      std::fprintf(hooks.profile_log, "op profile of one step, %s:\n%s\n", hooks.label.c_str(), timed.table().c_str());
   }
   const int64_t timed_steps = steps > 1 ? steps - 1 : 1;
   rung["measured"] = true;

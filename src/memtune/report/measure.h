@@ -3,6 +3,8 @@
 // one shape (see report/ladder_report.h for the fields).
 #pragma once
 
+#include <cstdio>
+
 #include <cstdint>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -57,11 +59,17 @@ struct MeasureHooks {
   std::string label;                                  // progress line prefix: "[3/8] + flash attention"
   nlohmann::json fields = nlohmann::json::object();   // merged into every metrics record
   double work_before = 0;                             // tokens done before this run (for the ETA)
+  // After the measured steps, one more step with every op timed (ops/timed_backend.h): its
+  // breakdown goes to rung["op_profile"] and, as a table, to profile_log when set. The measured
+  // steps are not affected (the wrapper is disabled for them).
+  bool profile = false;
+  std::FILE* profile_log = nullptr;
 };
 
 // Trains `steps` optimizer steps on synthetic tokens and fills the measured fields of `rung`:
 // measured, engine_peak_bytes, device_peak_bytes (GPU), step_seconds, tokens_per_second, loss,
-// loss_scaler (fp16), mfu. Writes one "step" metrics record per step.
+// loss_scaler (fp16), mfu. Writes one "step" metrics record per step. With hooks.profile, also
+// op_profile (see MeasureHooks).
 void measure_rung(nlohmann::json& rung, const RunConfig& run, const LlamaConfig& model, const DeviceInfo& device,
                   int64_t steps, const MeasureHooks& hooks);
 

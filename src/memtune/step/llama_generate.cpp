@@ -220,15 +220,19 @@ InferenceModel::InferenceModel(Backend& backend, const LlamaConfig& config, cons
       const BaseCheckpoint base(setup.checkpoint_dir, config_);
       for (size_t i = 0; i < base.table().size(); ++i) {
         if (const SafetensorsTensor* t = base.dense(i)) {
-          weights.upload(backend_, i, t->data, t->dtype);
-        } else {  // a bitsandbytes 4-bit weight: dequantized on the host
+          weights.upload(backend_, i, t->data, t->dtype, parts_->memory.free_tail());
+        } else if (weights.is_quantized(i)) {
+          // bitsandbytes' codes as they are: re-quantizing dequantized values would not give
+          // back the same nested constants, so the logits would drift from bitsandbytes'.
+          weights.upload_quantized(backend_, i, base.read_4bit(i));
+        } else {  // a 4-bit weight into a 16-bit run: dequantized on the host
           const std::vector<float> values = base.read_f32(i);
-          weights.upload(backend_, i, values.data(), DType::f32);
+          weights.upload(backend_, i, values.data(), DType::f32, parts_->memory.free_tail());
         }
         base.release(i);
       }
     } else {
-      weights.init_random(backend_, config_, setup.seed);
+      weights.init_random(backend_, config_, setup.seed, parts_->memory.free_tail());
     }
     if (host_adapter != nullptr) parts_->adapter->upload(backend_, *host_adapter);
     backend_.synchronize();

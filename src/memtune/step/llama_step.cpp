@@ -32,6 +32,39 @@ LlamaStep::LlamaStep(Backend& backend, Memory& memory, const LlamaConfig& config
   batch_.targets = memory_.alloc("batch.targets", MemCategory::saved_activations, DType::i32, per_token);
   batch_.positions = memory_.alloc("batch.positions", MemCategory::saved_activations, DType::i32, per_token);
   batch_.segments = memory_.alloc("batch.segments", MemCategory::saved_activations, DType::i32, per_token);
+  if (options.offload_activations) {
+    MT_USER_CHECK(options.gradient_checkpointing,
+                  "offload_activations needs gradient_checkpointing: without it every activation of "
+                  "every layer is saved on the device, and only the layer inputs are offloaded");
+    const int layers = static_cast<int>(config.num_hidden_layers);
+    offload_layer_bytes_ = static_cast<uint64_t>(tokens_) * static_cast<uint64_t>(config.hidden_size) *
+                           dtype_size(options.compute_dtype);
+    // Layers [0, layers - 1): the last layer's input stays in its ring slot for the backward.
+    const uint64_t host_bytes = offload_layer_bytes_ * static_cast<uint64_t>(std::max(layers - 1, 0));
+    if (host_bytes > 0) offload_host_ = backend_.allocate_host(host_bytes);
+    memory_.record_host("offload.layer_inputs", host_bytes);
+    for (int i = 0; i < kOffloadSlots; ++i) {
+      slot_copied_out_[i] = backend_.create_event();
+      slot_copied_in_[i] = backend_.create_event();
+    }
+  }
+}
+
+LlamaStep::~LlamaStep() {
+  if (!options_.offload_activations) return;
+  backend_.synchronize();  // no copy may still touch the host memory
+  for (int i = 0; i < kOffloadSlots; ++i) {
+    backend_.destroy_event(slot_copied_out_[i]);
+    backend_.destroy_event(slot_copied_in_[i]);
+  }
+  if (offload_host_ != nullptr) backend_.free_host(offload_host_);
+}
+
+void* LlamaStep::offloaded_layer_input(int layer) const {
+  MT_ASSERT(layer >= 0 && layer + 1 < config_.num_hidden_layers, "layer {} has no host copy", layer);
+  // On the meta device there is no host memory, and nothing is copied.
+  if (offload_host_ == nullptr) return nullptr;
+  return static_cast<char*>(offload_host_) + static_cast<uint64_t>(layer) * offload_layer_bytes_;
 }
 
 AttentionDims LlamaStep::attention_dims() const {
@@ -66,11 +99,19 @@ Tensor LlamaStep::alloc_act_rows(Act id, int layer, MemCategory category, int64_
                        act_rows_shape(spec, config_, dims_, rows));
 }
 
-int64_t LlamaStep::mlp_chunk_rows(bool training) const {
-  // Without checkpointing the training forward keeps the whole MLP for the backward anyway.
-  const bool mlp_acts_saved = training && !options_.gradient_checkpointing;
-  if (mlp_acts_saved || options_.mlp_chunk_tokens <= 0) return 0;
+int64_t LlamaStep::token_chunk_rows(bool training) const {
+  // Without checkpointing the training forward keeps the whole layer for the backward anyway.
+  const bool acts_saved = training && !options_.gradient_checkpointing;
+  if (acts_saved || options_.mlp_chunk_tokens <= 0) return 0;
   return std::min(tokens_, options_.mlp_chunk_tokens);
+}
+
+Tensor LlamaStep::alloc_layer_output(int layer, bool training) {
+  // The layer output is the next layer's input: saved whenever training, also under
+  // checkpointing.
+  const MemCategory category = training ? MemCategory::saved_activations : MemCategory::transient_activations;
+  return memory_.alloc(fmt::format("layers.{}.layer_input", layer + 1), category,
+                       options_.compute_dtype, Shape{tokens_, config_.hidden_size});
 }
 
 void LlamaStep::free_layer(LayerState& state, bool keep_input) {
@@ -177,7 +218,10 @@ void LlamaStep::linear_backward(int layer, Projection p, const Tensor& dy, const
 }
 
 Tensor LlamaStep::layer_forward(int layer, LayerState& s, bool recompute, uint64_t dropout_seed,
-                                bool training) {
+                                bool training, const Tensor* out_slot) {
+  const int64_t chunk_rows = token_chunk_rows(training);
+  if (chunk_rows > 0)
+    return layer_forward_chunked(layer, s, recompute, dropout_seed, training, chunk_rows, out_slot);
   const MemCategory keep = training ? saved_category(recompute) : MemCategory::transient_activations;
   const LayerWeights& w = weights_.layers[layer];
   LayerActs& a = s.acts;
@@ -217,41 +261,87 @@ Tensor LlamaStep::layer_forward(int layer, LayerState& s, bool recompute, uint64
   linear_forward(layer, Projection::o, act(Act::attn_out), 0, act(Act::mid), lora_u(Projection::o), keep, dropout_seed, training);
   backend_.add(act(Act::mid), act(Act::mid), act(Act::layer_input));
 
-  const int64_t chunk_rows = mlp_chunk_rows(training);
-  // The backward recomputes norm2 and the MLP chunk by chunk from mid.
-  if (recompute && chunk_rows > 0) return Tensor{};
-  if (chunk_rows == 0) {
-    mlp_forward(layer, act(Act::mid), 0, s, keep, dropout_seed, training, training);
-    if (recompute) {
-      // The output already exists; the backward needs only the down projection's LoRA input.
-      if (lora_.find(layer, Projection::down) != nullptr)
-        s.lora_u[static_cast<int>(Projection::down)] = lora_input_projection(
-            layer, Projection::down, act(Act::swiglu_out), 0, keep, dropout_seed, training);
-      return Tensor{};
-    }
+  mlp_forward(layer, act(Act::mid), 0, s, keep, dropout_seed, training, training);
+  if (recompute) {
+    // The output already exists; the backward needs only the down projection's LoRA input.
+    if (lora_.find(layer, Projection::down) != nullptr)
+      s.lora_u[static_cast<int>(Projection::down)] = lora_input_projection(
+          layer, Projection::down, act(Act::swiglu_out), 0, keep, dropout_seed, training);
+    return Tensor{};
   }
-
-  // The layer output is the next layer's input: saved whenever training, also under
-  // checkpointing.
-  const MemCategory out_category = training ? MemCategory::saved_activations : MemCategory::transient_activations;
-  Tensor out = memory_.alloc(fmt::format("layers.{}.layer_input", layer + 1), out_category,
-                             options_.compute_dtype, Shape{tokens_, config_.hidden_size});
-  if (chunk_rows == 0) {
-    linear_forward(layer, Projection::down, act(Act::swiglu_out), 0, out, lora_u(Projection::down), keep, dropout_seed, training);
-  } else {
-    // Nothing of norm2 or the MLP is kept (a backward recomputes them): chunk buffers only.
-    const MemCategory transient = MemCategory::transient_activations;
-    for (int64_t begin = 0; begin < tokens_; begin += chunk_rows) {
-      const int64_t end = std::min(tokens_, begin + chunk_rows);
-      LayerState chunk;
-      mlp_forward(layer, act(Act::mid).slice_rows(begin, end), begin, chunk, transient,
-                  dropout_seed, training, /*keep_lora_u=*/false);
-      linear_forward(layer, Projection::down, chunk.acts[static_cast<int>(Act::swiglu_out)], begin,
-                     out.slice_rows(begin, end), nullptr, transient, dropout_seed, training);
-      free_layer(chunk, /*keep_input=*/false);
-    }
-  }
+  Tensor out = out_slot != nullptr ? *out_slot : alloc_layer_output(layer, training);
+  linear_forward(layer, Projection::down, act(Act::swiglu_out), 0, out, lora_u(Projection::down), keep, dropout_seed, training);
   backend_.add(out, out, act(Act::mid));
+  return out;
+}
+
+Tensor LlamaStep::layer_forward_chunked(int layer, LayerState& s, bool recompute,
+                                        uint64_t dropout_seed, bool training, int64_t chunk_rows,
+                                        const Tensor* out_slot) {
+  // Only what attention needs spans the sequence (kept while the layer runs, or through its
+  // backward in a recompute); every row-wise part runs on chunk buffers and keeps nothing.
+  const MemCategory keep = training ? saved_category(recompute) : MemCategory::transient_activations;
+  const MemCategory transient = MemCategory::transient_activations;
+  const LayerWeights& w = weights_.layers[layer];
+  auto act = [&](Act id) -> Tensor& { return s.acts[static_cast<int>(id)]; };
+  const Tensor& x = act(Act::layer_input);
+  const float eps = static_cast<float>(config_.rms_norm_eps);
+  const AttentionDims dims = attention_dims();
+
+  act(Act::q) = alloc_act(Act::q, layer, keep);
+  act(Act::k) = alloc_act(Act::k, layer, keep);
+  act(Act::v) = alloc_act(Act::v, layer, keep);
+  for (int64_t begin = 0; begin < tokens_; begin += chunk_rows) {
+    const int64_t end = std::min(tokens_, begin + chunk_rows);
+    LayerState chunk;
+    Tensor& normed = chunk.acts[static_cast<int>(Act::norm1_out)];
+    Tensor& rstd = chunk.acts[static_cast<int>(Act::norm1_rstd)];
+    normed = alloc_act_rows(Act::norm1_out, layer, transient, end - begin);
+    rstd = alloc_act_rows(Act::norm1_rstd, layer, transient, end - begin);
+    backend_.rmsnorm_forward(normed, rstd, x.slice_rows(begin, end), w.input_norm, eps);
+    for (Projection p : {Projection::q, Projection::k, Projection::v}) {
+      const Act out_id = p == Projection::q ? Act::q : p == Projection::k ? Act::k : Act::v;
+      linear_forward(layer, p, normed, begin, act(out_id).slice_rows(begin, end), nullptr,
+                     transient, dropout_seed, training);
+    }
+    free_layer(chunk, /*keep_input=*/false);
+  }
+  backend_.rope_forward(act(Act::q), batch_.positions, inv_freq_, config_.head_dim);
+  backend_.rope_forward(act(Act::k), batch_.positions, inv_freq_, config_.head_dim);
+
+  act(Act::attn_out) = alloc_act(Act::attn_out, layer, keep);
+  if (options_.attention == AttentionImpl::eager) {
+    act(Act::attn_probs) = alloc_act(Act::attn_probs, layer, keep);
+    Tensor scores = memory_.alloc(fmt::format("layers.{}.attn_scores", layer),
+                                  MemCategory::attention_scratch, options_.compute_dtype,
+                                  act(Act::attn_probs).shape);
+    backend_.attention_eager_forward(act(Act::attn_out), act(Act::attn_probs), scores, act(Act::q),
+                                     act(Act::k), act(Act::v), batch_.segments, dims);
+    memory_.free(scores);
+  } else {
+    act(Act::attn_lse) = alloc_act(Act::attn_lse, layer, keep);
+    backend_.attention_flash_forward(act(Act::attn_out), act(Act::attn_lse), act(Act::q),
+                                     act(Act::k), act(Act::v), batch_.segments, dims);
+  }
+  // The backward recomputes the o projection, norm2 and the MLP chunk by chunk.
+  if (recompute) return Tensor{};
+
+  Tensor out = out_slot != nullptr ? *out_slot : alloc_layer_output(layer, training);
+  for (int64_t begin = 0; begin < tokens_; begin += chunk_rows) {
+    const int64_t end = std::min(tokens_, begin + chunk_rows);
+    LayerState chunk;
+    Tensor& mid = chunk.acts[static_cast<int>(Act::mid)];
+    mid = alloc_act_rows(Act::mid, layer, transient, end - begin);
+    linear_forward(layer, Projection::o, act(Act::attn_out).slice_rows(begin, end), begin, mid,
+                   nullptr, transient, dropout_seed, training);
+    backend_.add(mid, mid, x.slice_rows(begin, end));
+    mlp_forward(layer, mid, begin, chunk, transient, dropout_seed, training, /*keep_lora_u=*/false);
+    const Tensor out_rows = out.slice_rows(begin, end);
+    linear_forward(layer, Projection::down, chunk.acts[static_cast<int>(Act::swiglu_out)], begin,
+                   out_rows, nullptr, transient, dropout_seed, training);
+    backend_.add(out_rows, out_rows, mid);
+    free_layer(chunk, /*keep_input=*/false);
+  }
   return out;
 }
 
@@ -294,46 +384,16 @@ void LlamaStep::mlp_backward(int layer, LayerState& mlp, const Tensor& mid_rows,
   memory_.free(d_norm2);
 }
 
-void LlamaStep::layer_backward(int layer, LayerState& s, const Tensor& d_resid, uint64_t seed) {
-  const LayerWeights& w = weights_.layers[layer];
-  LayerActs& a = s.acts;
-  auto act = [&](Act id) -> Tensor& { return a[static_cast<int>(id)]; };
-  auto lora_u = [&](Projection p) { return s.lora_u[static_cast<int>(p)]; };
+void LlamaStep::attention_backward(int layer, LayerState& s, const Tensor& d_attn, Tensor& dq,
+                                   Tensor& dk, Tensor& dv) {
+  auto act = [&](Act id) -> Tensor& { return s.acts[static_cast<int>(id)]; };
   const std::string prefix = fmt::format("layers.{}.", layer);
   const MemCategory transient = MemCategory::transient_activations;
   const DType cd = options_.compute_dtype;
   const AttentionDims dims = attention_dims();
-
-  // norm2 + MLP. d_resid is the grad of the layer output, and so of the down projection; it
-  // becomes the grad of mid. Both are row-wise, so a chunk of rows back-propagates on its own.
-  const int64_t chunk_rows = mlp_chunk_rows(true);
-  if (chunk_rows == 0) {
-    mlp_backward(layer, s, act(Act::mid), d_resid, 0, seed);
-  } else {
-    // The recompute stopped at mid: per chunk of token rows, recompute norm2, gate, up, swiglu
-    // and the down projection's LoRA input, then back-propagate them into the chunk's rows of
-    // d_resid. The LoRA grads accumulate over chunks as they do over micro-batches.
-    MT_ASSERT(act(Act::gate).empty(), "a chunked MLP backward after a whole-MLP forward");
-    for (int64_t begin = 0; begin < tokens_; begin += chunk_rows) {
-      const int64_t end = std::min(tokens_, begin + chunk_rows);
-      const Tensor mid_rows = act(Act::mid).slice_rows(begin, end);
-      LayerState chunk;
-      mlp_forward(layer, mid_rows, begin, chunk, transient, seed, true, /*keep_lora_u=*/true);
-      if (lora_.find(layer, Projection::down) != nullptr)
-        chunk.lora_u[static_cast<int>(Projection::down)] = lora_input_projection(
-            layer, Projection::down, chunk.acts[static_cast<int>(Act::swiglu_out)], begin,
-            transient, seed, true);
-      mlp_backward(layer, chunk, mid_rows, d_resid.slice_rows(begin, end), begin, seed);
-      free_layer(chunk, /*keep_input=*/false);
-    }
-  }
-
-  // Attention. d_resid is now the grad of mid, and so of the o projection's output.
-  Tensor d_attn = memory_.alloc(prefix + "d_attn_out", transient, cd, act(Act::attn_out).shape);
-  linear_backward(layer, Projection::o, d_resid, act(Act::attn_out), 0, lora_u(Projection::o), d_attn, false, seed);
-  Tensor dq = memory_.alloc(prefix + "dq", transient, cd, act(Act::q).shape);
-  Tensor dk = memory_.alloc(prefix + "dk", transient, cd, act(Act::k).shape);
-  Tensor dv = memory_.alloc(prefix + "dv", transient, cd, act(Act::v).shape);
+  dq = memory_.alloc(prefix + "dq", transient, cd, act(Act::q).shape);
+  dk = memory_.alloc(prefix + "dk", transient, cd, act(Act::k).shape);
+  dv = memory_.alloc(prefix + "dv", transient, cd, act(Act::v).shape);
   if (options_.attention == AttentionImpl::eager) {
     Tensor dprobs = memory_.alloc(prefix + "attn_dprobs", MemCategory::attention_scratch, cd,
                                   act(Act::attn_probs).shape);
@@ -351,6 +411,29 @@ void LlamaStep::layer_backward(int layer, LayerState& s, const Tensor& d_resid, 
     memory_.free(dq_accum);
     memory_.free(delta);
   }
+}
+
+void LlamaStep::layer_backward(int layer, LayerState& s, const Tensor& d_resid, uint64_t seed) {
+  const int64_t chunk_rows = token_chunk_rows(true);
+  if (chunk_rows > 0) return layer_backward_chunked(layer, s, d_resid, seed, chunk_rows);
+  const LayerWeights& w = weights_.layers[layer];
+  LayerActs& a = s.acts;
+  auto act = [&](Act id) -> Tensor& { return a[static_cast<int>(id)]; };
+  auto lora_u = [&](Projection p) { return s.lora_u[static_cast<int>(p)]; };
+  const std::string prefix = fmt::format("layers.{}.", layer);
+  const MemCategory transient = MemCategory::transient_activations;
+  const DType cd = options_.compute_dtype;
+  MT_ASSERT(!act(Act::gate).empty(), "a whole-layer backward after a chunked forward");
+
+  // norm2 + MLP. d_resid is the grad of the layer output, and so of the down projection; it
+  // becomes the grad of mid.
+  mlp_backward(layer, s, act(Act::mid), d_resid, 0, seed);
+
+  // Attention. d_resid is now the grad of mid, and so of the o projection's output.
+  Tensor d_attn = memory_.alloc(prefix + "d_attn_out", transient, cd, act(Act::attn_out).shape);
+  linear_backward(layer, Projection::o, d_resid, act(Act::attn_out), 0, lora_u(Projection::o), d_attn, false, seed);
+  Tensor dq, dk, dv;
+  attention_backward(layer, s, d_attn, dq, dk, dv);
   memory_.free(d_attn);
   backend_.rope_backward(dq, batch_.positions, inv_freq_, config_.head_dim);
   backend_.rope_backward(dk, batch_.positions, inv_freq_, config_.head_dim);
@@ -363,6 +446,82 @@ void LlamaStep::layer_backward(int layer, LayerState& s, const Tensor& d_resid, 
   memory_.free(dq);
   backend_.rmsnorm_backward(d_resid, d_norm1, act(Act::layer_input), w.input_norm, act(Act::norm1_rstd), true);
   memory_.free(d_norm1);
+}
+
+void LlamaStep::layer_backward_chunked(int layer, LayerState& s, const Tensor& d_resid,
+                                       uint64_t seed, int64_t chunk_rows) {
+  const LayerWeights& w = weights_.layers[layer];
+  auto act = [&](Act id) -> Tensor& { return s.acts[static_cast<int>(id)]; };
+  const Tensor& x = act(Act::layer_input);
+  const std::string prefix = fmt::format("layers.{}.", layer);
+  const MemCategory transient = MemCategory::transient_activations;
+  const DType cd = options_.compute_dtype;
+  const float eps = static_cast<float>(config_.rms_norm_eps);
+  MT_ASSERT(act(Act::mid).empty() && act(Act::norm1_out).empty(),
+            "a chunked backward after a whole-layer forward");
+
+  // The recompute stopped after attention. Per chunk of token rows: recompute mid (o projection
+  // + residual), norm2, gate, up, swiglu and their LoRA inputs; back-propagate the MLP into the
+  // chunk's rows of d_resid (the grad of the layer output becomes that of mid), and the o
+  // projection from there into the chunk's rows of d_attn.
+  Tensor d_attn = memory_.alloc(prefix + "d_attn_out", transient, cd, act(Act::attn_out).shape);
+  for (int64_t begin = 0; begin < tokens_; begin += chunk_rows) {
+    const int64_t end = std::min(tokens_, begin + chunk_rows);
+    const Tensor attn_rows = act(Act::attn_out).slice_rows(begin, end);
+    const Tensor d_resid_rows = d_resid.slice_rows(begin, end);
+    LayerState chunk;
+    Tensor& mid = chunk.acts[static_cast<int>(Act::mid)];
+    mid = alloc_act_rows(Act::mid, layer, transient, end - begin);
+    linear_forward(layer, Projection::o, attn_rows, begin, mid, &chunk.lora_u[static_cast<int>(Projection::o)],
+                   transient, seed, true);
+    backend_.add(mid, mid, x.slice_rows(begin, end));
+    mlp_forward(layer, mid, begin, chunk, transient, seed, true, /*keep_lora_u=*/true);
+    if (lora_.find(layer, Projection::down) != nullptr)
+      chunk.lora_u[static_cast<int>(Projection::down)] = lora_input_projection(
+          layer, Projection::down, chunk.acts[static_cast<int>(Act::swiglu_out)], begin,
+          transient, seed, true);
+    mlp_backward(layer, chunk, mid, d_resid_rows, begin, seed);
+    linear_backward(layer, Projection::o, d_resid_rows, attn_rows, begin,
+                    chunk.lora_u[static_cast<int>(Projection::o)], d_attn.slice_rows(begin, end),
+                    false, seed);
+    free_layer(chunk, /*keep_input=*/false);
+  }
+
+  // Attention over the whole sequence.
+  Tensor dq, dk, dv;
+  attention_backward(layer, s, d_attn, dq, dk, dv);
+  memory_.free(d_attn);
+  backend_.rope_backward(dq, batch_.positions, inv_freq_, config_.head_dim);
+  backend_.rope_backward(dk, batch_.positions, inv_freq_, config_.head_dim);
+
+  // Per chunk: recompute norm1 and the q/k/v LoRA inputs, back-propagate the projections into
+  // d_norm1's rows and norm1 into d_resid's (which then holds the grad of the layer input).
+  for (int64_t begin = 0; begin < tokens_; begin += chunk_rows) {
+    const int64_t end = std::min(tokens_, begin + chunk_rows);
+    const Tensor x_rows = x.slice_rows(begin, end);
+    LayerState chunk;
+    Tensor& normed = chunk.acts[static_cast<int>(Act::norm1_out)];
+    Tensor& rstd = chunk.acts[static_cast<int>(Act::norm1_rstd)];
+    normed = alloc_act_rows(Act::norm1_out, layer, transient, end - begin);
+    rstd = alloc_act_rows(Act::norm1_rstd, layer, transient, end - begin);
+    backend_.rmsnorm_forward(normed, rstd, x_rows, w.input_norm, eps);
+    for (Projection p : {Projection::q, Projection::k, Projection::v})
+      if (lora_.find(layer, p) != nullptr)
+        chunk.lora_u[static_cast<int>(p)] = lora_input_projection(layer, p, normed, begin, transient, seed, true);
+    Tensor d_norm1 = memory_.alloc(prefix + "d_norm1", transient, cd, normed.shape);
+    bool accumulate = false;
+    for (const auto& [p, grad] : {std::pair{Projection::q, &dq}, std::pair{Projection::k, &dk}, std::pair{Projection::v, &dv}}) {
+      linear_backward(layer, p, grad->slice_rows(begin, end), normed, begin,
+                      chunk.lora_u[static_cast<int>(p)], d_norm1, accumulate, seed);
+      accumulate = true;
+    }
+    backend_.rmsnorm_backward(d_resid.slice_rows(begin, end), d_norm1, x_rows, w.input_norm, rstd, true);
+    memory_.free(d_norm1);
+    free_layer(chunk, /*keep_input=*/false);
+  }
+  memory_.free(dv);
+  memory_.free(dk);
+  memory_.free(dq);
 }
 
 void LlamaStep::loss_and_head(const Tensor& last_hidden, float loss_grad_scale, const Tensor* d_resid) {
@@ -405,6 +564,7 @@ void LlamaStep::loss_and_head(const Tensor& last_hidden, float loss_grad_scale, 
 }
 
 void LlamaStep::forward_backward(float loss_grad_scale, uint64_t dropout_seed) {
+  if (options_.offload_activations) return forward_backward_offloaded(loss_grad_scale, dropout_seed);
   const int layers = static_cast<int>(config_.num_hidden_layers);
   std::vector<LayerState> states(layers);
   Tensor x = memory_.alloc("layers.0.layer_input", MemCategory::saved_activations,
@@ -425,6 +585,52 @@ void LlamaStep::forward_backward(float loss_grad_scale, uint64_t dropout_seed) {
     free_layer(states[l], /*keep_input=*/false);
   }
   memory_.free(d_resid);
+}
+
+void LlamaStep::forward_backward_offloaded(float loss_grad_scale, uint64_t dropout_seed) {
+  MT_ASSERT(options_.gradient_checkpointing, "offload without checkpointing");
+  const int layers = static_cast<int>(config_.num_hidden_layers);
+  const Shape residual_shape{tokens_, config_.hidden_size};
+  std::array<Tensor, kOffloadSlots> slots;
+  for (int i = 0; i < kOffloadSlots; ++i)
+    slots[i] = memory_.alloc(fmt::format("offload.layer_input_slot{}", i), MemCategory::saved_activations,
+                             options_.compute_dtype, residual_shape);
+  auto slot_of = [&](int layer) { return layer % kOffloadSlots; };
+  backend_.embedding_forward(slots[0], weights_.embed_tokens, batch_.input_ids);
+  for (int l = 0; l < layers; ++l) {
+    const int in = slot_of(l), out = slot_of(l + 1);
+    // The input is complete (the ops before wrote it): copy it out while this layer runs.
+    if (l + 1 < layers) backend_.copy_to_host_async(offloaded_layer_input(l), slots[in], slot_copied_out_[in]);
+    // The output slot held layer l - 1's input: its copy-out, issued a layer ago, must be done.
+    backend_.compute_wait(slot_copied_out_[out]);
+    LayerState state;
+    state.acts[static_cast<int>(Act::layer_input)] = slots[in];
+    layer_forward(l, state, false, dropout_seed, true, &slots[out]);
+    free_layer(state, /*keep_input=*/true);
+  }
+  Tensor d_resid = memory_.alloc("d_residual", MemCategory::transient_activations,
+                                 options_.compute_dtype, residual_shape);
+  loss_and_head(slots[slot_of(layers)], loss_grad_scale, &d_resid);
+  for (int l = layers - 1; l >= 0; --l) {
+    // Layer l - 1's input comes back into the other slot while this layer runs; that slot's
+    // last reader (layer l + 1's backward, or the loss) was issued before, so the copy waits
+    // for it.
+    if (l >= 1)
+      backend_.copy_from_host_async(slots[slot_of(l - 1)], offloaded_layer_input(l - 1), slot_copied_in_[slot_of(l - 1)]);
+    backend_.compute_wait(slot_copied_in_[slot_of(l)]);
+    LayerState state;
+    state.acts[static_cast<int>(Act::layer_input)] = slots[slot_of(l)];
+    layer_forward(l, state, true, dropout_seed, true);
+    layer_backward(l, state, d_resid, dropout_seed);
+    free_layer(state, /*keep_input=*/true);
+  }
+  memory_.free(d_resid);
+  // Every copy into or out of a slot is done before the slots' space is handed out again.
+  for (int i = 0; i < kOffloadSlots; ++i) {
+    backend_.compute_wait(slot_copied_out_[i]);
+    backend_.compute_wait(slot_copied_in_[i]);
+  }
+  for (int i = kOffloadSlots - 1; i >= 0; --i) memory_.free(slots[i]);
 }
 
 void LlamaStep::forward_loss() {

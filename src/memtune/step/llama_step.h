@@ -14,11 +14,26 @@
 //
 // Memory: gate, up and swiglu_out ([N, intermediate] each) are a layer's largest activations.
 // linear_backward reads its input x only before it writes dx, so the down projection's input grad
-// overwrites swiglu_out in place, and swiglu's grads overwrite gate and up. Where the MLP's
-// activations are not kept for a backward (gradient checkpointing, and eval), norm2 and the MLP
-// run over chunks of mlp_chunk_tokens token rows: every op there is row-wise, so the forward is
-// the same numbers, and with checkpointing the recompute stops at mid and the backward recomputes
-// and back-propagates norm2 + MLP one chunk at a time, accumulating the LoRA grads over chunks.
+// overwrites swiglu_out in place, and swiglu's grads overwrite gate and up.
+//
+// Token chunks (mlp_chunk_tokens). Where a layer's activations are not kept for a backward
+// (gradient checkpointing, and eval), everything in the layer but attention is row-wise: norm1
+// and the q/k/v projections, and the o projection, the residual, norm2 and the MLP. Those run
+// over chunks of mlp_chunk_tokens token rows, so that only q, k, v, the attention output (and
+// lse) span the whole sequence; the forward is the same numbers. With checkpointing the
+// recompute stops after attention, and the backward recomputes and back-propagates one chunk at
+// a time: (mid = x + o(attn_out), norm2, MLP) -> d_mid, d_attn_out rows; attention backward over
+// the whole sequence; then (norm1, q/k/v LoRA inputs) -> d_x rows. The LoRA grads accumulate
+// over chunks as they do over micro-batches.
+//
+// Activation offload (offload_activations, requires checkpointing). The saved layer inputs,
+// [N, hidden] each and one per layer, are what grows with the depth. With offload each leaves
+// for pinned host memory on the backend's copy stream as soon as its layer starts, and on the
+// device the inputs live in a ring of kOffloadSlots buffers: layer l reads slot l % 2 and writes
+// its output into slot (l + 1) % 2, after waiting for that slot's copy-out (issued a whole layer
+// earlier). The backward runs layer l from slot l % 2 while layer l - 1's input comes back into
+// the other slot (issued after layer l + 1's backward, the slot's last reader, and waited for
+// before layer l - 1 reads it). The last layer's input never leaves the device.
 #pragma once
 
 #include <array>
@@ -41,9 +56,12 @@ struct StepOptions {
   LossImpl loss = LossImpl::full;
   int64_t loss_chunk_tokens = 512;   // for LossImpl::chunked
   bool gradient_checkpointing = false;  // save layer inputs only; recompute in backward
-  // Token rows per MLP chunk where the MLP's activations are not saved (checkpointing, eval);
-  // 0 = the whole micro-batch at once.
+  // Token rows per chunk of a layer's row-wise parts where its activations are not saved
+  // (checkpointing, eval); 0 = the whole micro-batch at once. See the header comment.
   int64_t mlp_chunk_tokens = 0;
+  // The saved layer inputs go to pinned host memory between forward and backward (needs
+  // gradient_checkpointing); see the header comment.
+  bool offload_activations = false;
   int64_t micro_batch = 1, seq = 0;
 };
 
@@ -59,6 +77,12 @@ class LlamaStep {
  public:
   LlamaStep(Backend& backend, Memory& memory, const LlamaConfig& config,
             const StepOptions& options, const ModelWeights& weights, const LoraState& lora);
+  ~LlamaStep();  // gives back the offload host memory and events
+  LlamaStep(const LlamaStep&) = delete;
+  LlamaStep& operator=(const LlamaStep&) = delete;
+
+  // Device buffers that hold layer inputs while offloading: two suffice (see the header comment).
+  static constexpr int kOffloadSlots = 2;
 
   const MicroBatchBuffers& batch() const { return batch_; }
   // Forward, loss and backward of one micro-batch. Adds the loss sum (sum of token losses) to
@@ -82,14 +106,28 @@ class LlamaStep {
   Tensor alloc_act_rows(Act id, int layer, MemCategory category, int64_t rows);
   void free_layer(LayerState& state, bool keep_input);
   MemCategory saved_category(bool recompute) const;
-  // Token rows per MLP chunk in a pass that trains (or not); 0: the MLP runs whole.
-  int64_t mlp_chunk_rows(bool training) const;
-  // Runs layer `layer` on state.acts[layer_input]; returns the layer output (allocated saved).
-  // A recompute (checkpointing) stops at mid when the MLP is chunked: the backward recomputes
-  // norm2 and the MLP chunk by chunk.
+  // Token rows per chunk of a layer's row-wise parts in a pass that trains (or not); 0: the
+  // layer runs whole.
+  int64_t token_chunk_rows(bool training) const;
+  // Runs layer `layer` on state.acts[layer_input]; returns the layer output: written into
+  // *out_slot when given (an offload ring slot), else allocated (saved when training). A
+  // recompute (checkpointing) returns an empty tensor; chunked, it stops after attention.
   Tensor layer_forward(int layer, LayerState& state, bool recompute, uint64_t dropout_seed,
-                       bool training);
+                       bool training, const Tensor* out_slot = nullptr);
+  Tensor layer_forward_chunked(int layer, LayerState& state, bool recompute,
+                               uint64_t dropout_seed, bool training, int64_t chunk_rows,
+                               const Tensor* out_slot);
   void layer_backward(int layer, LayerState& state, const Tensor& d_resid, uint64_t dropout_seed);
+  void layer_backward_chunked(int layer, LayerState& state, const Tensor& d_resid,
+                              uint64_t dropout_seed, int64_t chunk_rows);
+  // The attention op's backward from d_attn into dq, dk, dv (allocated here), then rope's.
+  void attention_backward(int layer, LayerState& state, const Tensor& d_attn, Tensor& dq,
+                          Tensor& dk, Tensor& dv);
+  // The layer output buffer of `layer` (the next layer's input).
+  Tensor alloc_layer_output(int layer, bool training);
+  // forward_backward with the layer inputs offloaded to host memory.
+  void forward_backward_offloaded(float loss_grad_scale, uint64_t dropout_seed);
+  void* offloaded_layer_input(int layer) const;
   // norm2 and the MLP up to swiglu_out (gate and up with their LoRA u, kept in mlp.lora_u when
   // keep_lora_u) for the token rows mid_rows, which start at row first_row of the layer, into
   // mlp.acts: the layer's own state for the whole MLP, or a chunk's.
@@ -134,6 +172,11 @@ class LlamaStep {
   Tensor inv_freq_;  // f32 [head_dim / 2]
   Tensor loss_sum_;  // f32 [1]
   MicroBatchBuffers batch_;
+  // Offload: host copies of layers [0, layers - 1)'s inputs (pinned, allocated once), and per
+  // ring slot the events of its last copy out and in.
+  void* offload_host_ = nullptr;
+  uint64_t offload_layer_bytes_ = 0;
+  std::array<CopyEvent, kOffloadSlots> slot_copied_out_{}, slot_copied_in_{};
 };
 
 }  // namespace memtune

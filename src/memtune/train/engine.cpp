@@ -5,6 +5,7 @@
 #include <fstream>
 
 #include "memtune/core/error.h"
+#include "memtune/dist/data_parallel.h"
 #include "memtune/io/file_util.h"
 #include "memtune/io/json_util.h"
 #include "memtune/io/safetensors.h"
@@ -19,16 +20,26 @@ int64_t HostMicroBatch::valid_targets() const {
   return count;
 }
 
+namespace {
+
+bool is_data_parallel(const Communicator* communicator) {
+  return communicator != nullptr && communicator->world_size() > 1;
+}
+
+}  // namespace
+
 Engine::Engine(Backend& backend, void* arena, uint64_t arena_bytes, const RunConfig& run,
-               const LlamaConfig& model)
+               const LlamaConfig& model, Communicator* communicator)
     : backend_(backend),
       run_(run),
       model_(model),
       memory_(backend.device(), arena, arena_bytes),
       weights_(ModelWeights::allocate(memory_, model_, precision_dtype(run.precision),
-                                      run.load_in_4bit ? &run.quant : nullptr)),
+                                      run.load_in_4bit ? &run.quant : nullptr,
+                                      run.offload_embeddings ? &backend : nullptr)),
       lora_(LoraState::allocate(memory_, model_, run.lora_config(), precision_dtype(run.precision),
-                                /*with_optimizer=*/true)),
+                                /*with_optimizer=*/!is_data_parallel(communicator),
+                                is_data_parallel(communicator) ? lora_flat_multiple(communicator->world_size()) : 0)),
       grad_norm_sq_(memory_.alloc("optimizer.grad_norm_sq", MemCategory::workspace, DType::f32, Shape{1})),
       backend_workspace_(backend.workspace_bytes() == 0
                              ? Tensor{}
@@ -36,15 +47,23 @@ Engine::Engine(Backend& backend, void* arena, uint64_t arena_bytes, const RunCon
                                              Shape{static_cast<int64_t>(backend.workspace_bytes())})),
       step_(backend_, memory_, model_, run.step_options(), weights_, lora_) {
   backend_.bind_workspace(backend_workspace_);
+  if (is_data_parallel(communicator))
+    data_parallel_ = std::make_unique<DataParallelAdapters>(backend_, memory_, lora_, *communicator);
 }
 
 Engine::~Engine() { backend_.bind_workspace(Tensor{}); }
 
-void Engine::init_random_weights(uint64_t seed) { weights_.init_random(backend_, model_, seed); }
+int Engine::rank() const { return data_parallel_ ? data_parallel_->comm().rank() : 0; }
+int Engine::world_size() const { return data_parallel_ ? data_parallel_->comm().world_size() : 1; }
+
+void Engine::init_random_weights(uint64_t seed) {
+  weights_.init_random(backend_, model_, seed, memory_.free_tail());
+}
 
 void Engine::init_adapters(uint64_t seed) {
   lora_.init_peft(backend_, seed);
   lora_.zero_optimizer(backend_);
+  if (data_parallel_) data_parallel_->zero_optimizer();
 }
 
 namespace {
@@ -66,12 +85,12 @@ void Engine::load_base_checkpoint(const std::filesystem::path& checkpoint_path) 
       // safetensors data need not be aligned for its dtype: copy before reading it as numbers.
       std::vector<uint8_t> aligned(t->nbytes);
       std::memcpy(aligned.data(), t->data, t->nbytes);
-      weights_.upload(backend_, i, aligned.data(), t->dtype);
+      weights_.upload(backend_, i, aligned.data(), t->dtype, memory_.free_tail());
     } else if (weights_.is_quantized(i)) {
       weights_.upload_quantized(backend_, i, base.read_4bit(i));
     } else {
       const std::vector<float> values = base.read_f32(i);
-      weights_.upload(backend_, i, values.data(), DType::f32);
+      weights_.upload(backend_, i, values.data(), DType::f32, memory_.free_tail());
     }
     base.release(i);
   }
@@ -88,6 +107,7 @@ void Engine::load_adapter(const std::filesystem::path& adapter_dir) {
   }
   lora_.sync_compute_copies(backend_);
   lora_.zero_optimizer(backend_);
+  if (data_parallel_) data_parallel_->zero_optimizer();
 }
 
 void Engine::save_adapter(const std::filesystem::path& dir, const std::string& base_model) const {
@@ -122,6 +142,8 @@ void Engine::save_adapter(const std::filesystem::path& dir, const std::string& b
 void Engine::save_checkpoint(const std::filesystem::path& dir, const std::string& base_model,
                              const nlohmann::json& trainer_fields) const {
   namespace fs = std::filesystem;
+  MT_USER_CHECK(!data_parallel_, "{}: resumable checkpoints of a data-parallel run (ZeRO-1 moment shards) are not "
+                "written yet; the adapter is (save_adapter)", dir.string());
   const fs::path staging = dir.string() + ".partial";
   const fs::path old = dir.string() + ".old";
   try {
@@ -177,6 +199,8 @@ void Engine::save_checkpoint(const std::filesystem::path& dir, const std::string
 }
 
 nlohmann::json Engine::load_checkpoint(const std::filesystem::path& requested) {
+  MT_USER_CHECK(!data_parallel_, "--resume {}: resuming a data-parallel run is not supported yet; start it from the "
+                "adapter with --init-adapter", requested.string());
   std::filesystem::path dir = requested;
   const std::filesystem::path old = requested.string() + ".old";
   if (!std::filesystem::exists(dir / "trainer_state.json") && std::filesystem::exists(old / "trainer_state.json"))
@@ -222,6 +246,14 @@ StepReport Engine::train_step(const std::vector<HostMicroBatch>& micro_batches) 
   StepReport report;
   int64_t valid = 0;
   for (const HostMicroBatch& mb : micro_batches) valid += mb.valid_targets();
+  // ---- data parallel: the loss is normalised by the valid targets of the global batch ----
+  int64_t global_tokens = 0;
+  if (data_parallel_) {
+    int64_t local_tokens = 0;
+    for (const HostMicroBatch& mb : micro_batches) local_tokens += static_cast<int64_t>(mb.input_ids.size());
+    std::tie(valid, global_tokens) = data_parallel_->global_counts(valid, local_tokens);
+  }
+  // ---- end data parallel ----
   const bool meta = backend_.device() == Device::meta;
   MT_USER_CHECK(meta || valid > 0, "every label of this optimizer step is masked (-100): nothing to learn from");
   const double denominator = static_cast<double>(std::max<int64_t>(valid, 1));
@@ -233,9 +265,19 @@ StepReport Engine::train_step(const std::vector<HostMicroBatch>& micro_batches) 
   const uint64_t seed = dropout_hash(run_.seed, static_cast<uint64_t>(steps_done_));
   for (size_t m = 0; m < micro_batches.size(); ++m) {
     upload(micro_batches[m]);
-    step_.forward_backward(static_cast<float>(loss_scale / denominator), dropout_hash(seed, m));
+    // Data parallel: rank r holds the global micro-batches r, r + world, ... (the trainer's
+    // order), and dropout is seeded by the global index, as one rank with all of them would be.
+    const uint64_t global_m = m * static_cast<uint64_t>(world_size()) + static_cast<uint64_t>(rank());
+    if (data_parallel_ && m + 1 == micro_batches.size()) data_parallel_->begin_final_backward();
+    step_.forward_backward(static_cast<float>(loss_scale / denominator), dropout_hash(seed, global_m));
     report.tokens += static_cast<int64_t>(micro_batches[m].input_ids.size());
   }
+  // ---- data parallel: grads and loss summed over ranks (every rank then decides alike) ----
+  if (data_parallel_) {
+    data_parallel_->reduce_gradients(step_.loss_sum());
+    report.tokens = global_tokens;
+  }
+  // ---- end data parallel ----
   report.loss = backend_.read_scalar(step_.loss_sum()) / denominator;
 
   backend_.fill(grad_norm_sq_, 0.0f);
@@ -268,9 +310,13 @@ StepReport Engine::train_step(const std::vector<HostMicroBatch>& micro_batches) 
   params.weight_decay = static_cast<float>(run_.weight_decay);
   params.step = steps_done_ + 1 - scaler_.skipped_steps;
   params.grad_scale = static_cast<float>(clip / loss_scale);
-  for (const LoraTensors& t : lora_.tensors()) {
-    backend_.adamw_step(t.a, t.grad_a, t.exp_avg_a, t.exp_avg_sq_a, params);
-    backend_.adamw_step(t.b, t.grad_b, t.exp_avg_b, t.exp_avg_sq_b, params);
+  if (data_parallel_) {
+    data_parallel_->adamw_step(params);  // ZeRO-1: this rank's shard, then the all-gather
+  } else {
+    for (const LoraTensors& t : lora_.tensors()) {
+      backend_.adamw_step(t.a, t.grad_a, t.exp_avg_a, t.exp_avg_sq_a, params);
+      backend_.adamw_step(t.b, t.grad_b, t.exp_avg_b, t.exp_avg_sq_b, params);
+    }
   }
   lora_.sync_compute_copies(backend_);
   if (fp16 && ++scaler_.good_steps >= LossScalerState::kGrowthInterval) {
@@ -288,10 +334,11 @@ std::pair<double, int64_t> Engine::eval_loss_sum(const HostMicroBatch& batch) {
   return {backend_.read_scalar(step_.loss_sum()), batch.valid_targets()};
 }
 
-Plan plan_run(const RunConfig& run, const LlamaConfig& model, Device target) {
+Plan plan_run(const RunConfig& run, const LlamaConfig& model, Device target, int world_size) {
   const auto start = std::chrono::steady_clock::now();
   std::unique_ptr<Backend> meta = make_meta_backend(backend_workspace_bytes(target));
-  Engine engine(*meta, nullptr, 0, run, model);
+  const std::unique_ptr<Communicator> comm = world_size > 1 ? make_meta_communicator(0, world_size) : nullptr;
+  Engine engine(*meta, nullptr, 0, run, model, comm.get());
   const int64_t n = run.per_device_train_batch_size * run.max_seq_length;
   HostMicroBatch batch;
   batch.input_ids.assign(n, 0);
@@ -310,6 +357,10 @@ Plan plan_run(const RunConfig& run, const LlamaConfig& model, Device target) {
   plan.max_by_category = a.max_by_category();
   plan.trainable_parameters = engine.lora().parameter_count();
   plan.frozen_parameters = engine.weights().parameter_count();
+  // ---- offload: host memory ----
+  plan.host_records = engine.memory().host_records();
+  plan.host_bytes = engine.memory().host_bytes();
+  // ---- end offload ----
   plan.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return plan;
 }

@@ -17,6 +17,9 @@
 
 namespace memtune {
 
+class Communicator;          // dist/communicator.h
+class DataParallelAdapters;  // dist/data_parallel.h
+
 // One micro-batch on the host, already shifted: targets[t] is the label of token t + 1.
 struct HostMicroBatch {
   std::vector<int32_t> input_ids, targets, positions, segments;
@@ -31,6 +34,11 @@ struct Plan {
   CategoryBytes max_by_category{}; // each category's own maximum
   int64_t trainable_parameters = 0, frozen_parameters = 0;
   double seconds = 0;              // how long planning took
+  // ---- offload: host memory ----
+  // Pinned host memory that the run allocates once beside the arena (offloaded activations).
+  std::vector<HostAllocationRecord> host_records;
+  uint64_t host_bytes = 0;
+  // ---- end offload ----
 };
 
 struct LossScalerState {  // torch.cuda.amp.GradScaler semantics
@@ -51,8 +59,11 @@ struct StepReport {
 class Engine {
  public:
   // Plans when backend is the meta backend (arena null); else runs on the given arena.
+  // With a communicator of world_size > 1 the step is data parallel (dist/data_parallel.h):
+  // this rank's micro-batches, the loss normalised by the global valid targets, the grads
+  // summed over ranks, ZeRO-1 AdamW. Without one (or world_size 1) nothing changes.
   Engine(Backend& backend, void* arena, uint64_t arena_bytes, const RunConfig& run,
-         const LlamaConfig& model);
+         const LlamaConfig& model, Communicator* communicator = nullptr);
   ~Engine();  // unbinds the backend's workspace, which lives in this engine's arena
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
@@ -64,6 +75,11 @@ class Engine {
   const LlamaConfig& model() const { return model_; }
   const RunConfig& run() const { return run_; }
   Backend& backend() { return backend_; }
+  // ---- data parallel (dist/) ----
+  int rank() const;
+  int world_size() const;
+  DataParallelAdapters* data_parallel() { return data_parallel_.get(); }
+  // ---- end data parallel ----
 
   void init_random_weights(uint64_t seed);
   void load_base_checkpoint(const std::filesystem::path& checkpoint);
@@ -88,7 +104,9 @@ class Engine {
   }
 
   // One optimizer step over the given micro-batches (the accumulation), loss normalised by the
-  // valid targets of all of them (transformers >= 4.46).
+  // valid targets of all of them (transformers >= 4.46). Data parallel: this rank's share of the
+  // step (possibly none), normalised by the valid targets of every rank's micro-batches; the
+  // report's loss and tokens are the global ones.
   StepReport train_step(const std::vector<HostMicroBatch>& micro_batches);
   // Sum of token losses and count of valid targets.
   std::pair<double, int64_t> eval_loss_sum(const HostMicroBatch& batch);
@@ -107,6 +125,7 @@ class Engine {
   Tensor grad_norm_sq_;  // f32 [1]
   Tensor backend_workspace_;  // Backend::workspace_bytes() of planned scratch, bound to the backend
   LlamaStep step_;
+  std::unique_ptr<DataParallelAdapters> data_parallel_;  // world_size > 1 only
   LossScalerState scaler_;
   int64_t steps_done_ = 0;
   std::function<void(const std::filesystem::path&)> checkpoint_write_hook_;
@@ -116,8 +135,10 @@ class Engine {
 };
 
 // The plan of a run: the engine on the meta backend through one full optimizer step, for a
-// target device (whose backend's workspace is planned with the rest).
-Plan plan_run(const RunConfig& run, const LlamaConfig& model, Device target = Device::cuda);
+// target device (whose backend's workspace is planned with the rest). world_size > 1 plans one
+// rank of a data-parallel run (flat adapter buffers, ZeRO-1 moment shards).
+Plan plan_run(const RunConfig& run, const LlamaConfig& model, Device target = Device::cuda,
+              int world_size = 1);
 
 // Builds micro-batches of one optimizer step from token sequences (each its own sample):
 // truncated to max_seq_length, right-padded, labels shifted, -100 on padding.

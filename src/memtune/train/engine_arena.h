@@ -4,6 +4,7 @@
 
 #include <memory>
 
+#include "memtune/dist/communicator.h"
 #include "memtune/ops/backend.h"
 #include "memtune/train/engine.h"
 
@@ -11,10 +12,13 @@ namespace memtune {
 
 class PlannedEngine {
  public:
-  PlannedEngine(Backend& backend, const RunConfig& run, const LlamaConfig& model)
-      : backend_(backend), plan_(plan_run(run, model, backend.device())) {
+  // A communicator of world_size > 1 makes it one rank of a data-parallel run (engine.h).
+  PlannedEngine(Backend& backend, const RunConfig& run, const LlamaConfig& model,
+                Communicator* communicator = nullptr)
+      : backend_(backend),
+        plan_(plan_run(run, model, backend.device(), communicator ? communicator->world_size() : 1)) {
     arena_ = backend_.allocate_arena(plan_.arena_bytes);
-    engine_ = std::make_unique<Engine>(backend_, arena_, plan_.arena_bytes, run, model);
+    engine_ = std::make_unique<Engine>(backend_, arena_, plan_.arena_bytes, run, model, communicator);
   }
   ~PlannedEngine() {
     engine_.reset();

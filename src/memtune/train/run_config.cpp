@@ -35,6 +35,9 @@ void RunConfig::validate() const {
   MT_USER_CHECK(max_seq_length > 1, "max_seq_length must be >= 2 (a token and its next token)");
   MT_USER_CHECK(loss_chunk_tokens > 0, "loss_chunk_tokens must be >= 1");
   MT_USER_CHECK(mlp_chunk_tokens >= 0, "mlp_chunk_tokens must be >= 0 (0: no chunking)");
+  MT_USER_CHECK(!offload_activations || gradient_checkpointing,
+                "offload_activations needs gradient_checkpointing: it offloads the layer inputs that "
+                "checkpointing saves (add --gradient_checkpointing)");
   MT_USER_CHECK(lora_r > 0, "lora_r must be >= 1");
   MT_USER_CHECK(lora_alpha > 0, "lora_alpha must be positive");
   MT_USER_CHECK(lora_dropout >= 0 && lora_dropout < 1, "lora_dropout must be in [0, 1)");
@@ -72,6 +75,7 @@ StepOptions RunConfig::step_options() const {
   o.loss_chunk_tokens = loss_chunk_tokens;
   o.gradient_checkpointing = gradient_checkpointing;
   o.mlp_chunk_tokens = mlp_chunk_tokens;
+  o.offload_activations = offload_activations;
   o.micro_batch = per_device_train_batch_size;
   o.seq = max_seq_length;
   return o;

@@ -25,9 +25,19 @@ struct RunConfig {
   // is not the peak of an 8B QLoRA step at 2 x 2048, large enough for full-speed GEMMs.
   int64_t loss_chunk_tokens = 256;
   bool gradient_checkpointing = false;
-  // Token rows per chunk of the MLP where its activations are not saved (with checkpointing the
-  // backward recomputes the MLP chunk by chunk); 0 = no chunking. Same math (LoRA dropout too).
+  // Token rows per chunk of a layer's row-wise parts (norms, projections, LoRA, MLP) where its
+  // activations are not saved (with checkpointing the backward recomputes them chunk by chunk;
+  // eval); 0 = no chunking. Same math (LoRA dropout too). The name is from when only the MLP was
+  // chunked; it is kept for the configs that use it.
   int64_t mlp_chunk_tokens = 1024;
+  // Offload the checkpointed layer inputs to pinned host memory between forward and backward,
+  // on a copy stream overlapped with compute (needs gradient_checkpointing).
+  bool offload_activations = false;
+  // Keep the input embedding table in pinned host memory; the GPU gathers its rows over PCIe
+  // (a few MiB per micro-batch). It is frozen, so nothing flows back. Saves vocab x hidden x
+  // 2 bytes of device memory (1 GB on Llama 3.1 8B). Needs untied embeddings: a tied LM head
+  // would read the table in every GEMM.
+  bool offload_embeddings = false;
   int64_t per_device_train_batch_size = 1;
   int64_t gradient_accumulation_steps = 1;
   int64_t max_seq_length = 256;

@@ -159,14 +159,18 @@ std::vector<HostMicroBatch> Trainer::next_step_batches() {
   if (position_.next_row >= rows) position_ = {position_.epoch + 1, 0};
   const std::vector<uint32_t>& order = epoch_order();
   std::vector<HostMicroBatch> batches;
-  for (int64_t m = 0; m < accumulation_ && position_.next_row < rows; ++m) {
+  // Data parallel: a step is accumulation x world_size micro-batches of the one global order
+  // (every rank computes it alike); rank r takes the micro-batches r, r + world, ..., so a rank
+  // may get fewer (or none) at the end of an epoch. world_size 1: all of them.
+  const int64_t world = engine_.world_size(), rank = engine_.rank();
+  for (int64_t m = 0; m < accumulation_ * world && position_.next_row < rows; ++m) {
     std::vector<const RowLayout*> picked;
     for (int64_t b = 0; b < batch_; ++b) {
       const int64_t index = position_.next_row + b;
       picked.push_back(index < rows ? &rows_[order[static_cast<size_t>(index)]] : nullptr);
     }
     position_.next_row = std::min(rows, position_.next_row + batch_);
-    batches.push_back(micro_batch(picked, train_));
+    if (m % world == rank) batches.push_back(micro_batch(picked, train_));
   }
   // The epoch ends with this step (transformers updates on the remainder micro-batches).
   if (position_.next_row >= rows) position_ = {position_.epoch + 1, 0};
@@ -242,6 +246,21 @@ void Trainer::save_checkpoint() {
 
 TrainOutcome Trainer::run() {
   const RunConfig& run = engine_.run();
+  // ---- data parallel: rank 0 alone reports and writes; checkpoints are single-process only ----
+  if (engine_.world_size() > 1) {
+    MT_USER_CHECK(options_.resume_from.empty() && options_.save_steps == 0,
+                  "--resume and --save_steps are not supported with {} processes yet (ZeRO-1 moment shards are not "
+                  "checkpointed); rank 0 writes the adapter at the end",
+                  engine_.world_size());
+    if (engine_.rank() != 0) {
+      options_.quiet = true;
+      options_.metrics_path.clear();
+      options_.out_dir.clear();
+      options_.train_data_name.clear();
+      options_.eval_data_name.clear();
+    }
+  }
+  // ---- end data parallel ----
   MetricsLog metrics(options_.metrics_path);
   if (!options_.train_data_name.empty()) {
     err_ << dataset_summary(options_.train_data_name, train_, seq_) << rows_summary(rows_, seq_, options_.packing)
@@ -343,6 +362,13 @@ TrainOutcome Trainer::run() {
       if (options_.out_dir.empty()) {
         err_ << fmt::format("memtune: {} after step {} of {}: stopped; no --out was given, so nothing was saved\n",
                             signal_name(signal_number), done, run.max_steps);
+      } else if (engine_.world_size() > 1) {
+        // Data parallel: the adapter only (a signal reaches the ranks between different steps, and
+        // a rank that stops first makes the others' next collective fail with a clear error).
+        engine_.save_adapter(options_.out_dir / "adapter", options_.base_model_name);
+        err_ << fmt::format("memtune: {} after step {} of {}: stopped; adapter written to {}\n",
+                            signal_name(signal_number), done, run.max_steps,
+                            (options_.out_dir / "adapter").string());
       } else {
         if (last_checkpoint_step_ != done) save_checkpoint();
         const std::string dir = (options_.out_dir / "checkpoint").string();
@@ -363,7 +389,11 @@ TrainOutcome Trainer::run() {
   }
   if (!outcome.eval_losses.empty())
     err_ << fmt::format("eval loss {:.6f} at step {}\n", outcome.eval_losses.back().second, outcome.eval_losses.back().first);
-  if (!options_.out_dir.empty()) {
+  if (!options_.out_dir.empty() && engine_.world_size() > 1) {
+    const std::filesystem::path adapter = options_.out_dir / "adapter";
+    engine_.save_adapter(adapter, options_.base_model_name);
+    err_ << "wrote " << adapter.string() << " (PEFT format; no resumable checkpoint: data-parallel run)\n";
+  } else if (!options_.out_dir.empty()) {
     const std::filesystem::path adapter = options_.out_dir / "adapter";
     engine_.save_adapter(adapter, options_.base_model_name);
     if (last_checkpoint_step_ != outcome.steps_done) save_checkpoint();

@@ -33,6 +33,8 @@ void apply_run_yaml(const std::filesystem::path& path, RunConfig& run) {
       {"loss_implementation", set(run.loss_implementation)},
       {"loss_chunk_tokens", set(run.loss_chunk_tokens)},
       {"mlp_chunk_tokens", set(run.mlp_chunk_tokens)},
+      {"offload_activations", set(run.offload_activations)},
+      {"offload_embeddings", set(run.offload_embeddings)},
       {"per_device_train_batch_size", set(run.per_device_train_batch_size)},
       {"gradient_accumulation_steps", set(run.gradient_accumulation_steps)},
       {"max_seq_length", set(run.max_seq_length)},

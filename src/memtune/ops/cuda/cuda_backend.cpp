@@ -98,6 +98,12 @@ CudaBackend::~CudaBackend() {
   cudaDeviceSynchronize();
   cuda::gemm_context_destroy(gemm_);
   cudaFree(owned_workspace_);
+  // ---- offload ----
+  for (cudaEvent_t event : copy_events_)
+    if (event != nullptr) cudaEventDestroy(event);
+  if (compute_issued_ != nullptr) cudaEventDestroy(compute_issued_);
+  if (copy_stream_ != nullptr) cudaStreamDestroy(copy_stream_);
+  // ---- end offload ----
 }
 
 uint64_t CudaBackend::workspace_bytes() const { return backend_workspace_bytes(Device::cuda); }
@@ -140,18 +146,90 @@ void CudaBackend::free_arena(void* base) {
 void CudaBackend::copy_from_host(const Tensor& dst, const void* host_src) {
   MT_ASSERT(dst.device == Device::cuda, "copy_from_host into a {} tensor",
             device_name(dst.device));
+  // cudaMemcpyDefault: a "device" tensor may live in pinned host memory that kernels read
+  // through unified addressing (offload_embeddings); the driver picks the direction.
   if (dst.nbytes() > 0)
-    MT_CUDA_CHECK(cudaMemcpy(dst.data, host_src, dst.nbytes(), cudaMemcpyHostToDevice));
+    MT_CUDA_CHECK(cudaMemcpy(dst.data, host_src, dst.nbytes(), cudaMemcpyDefault));
 }
 
 void CudaBackend::copy_to_host(void* host_dst, const Tensor& src) {
   MT_ASSERT(src.device == Device::cuda, "copy_to_host from a {} tensor",
             device_name(src.device));
   if (src.nbytes() > 0)
-    MT_CUDA_CHECK(cudaMemcpy(host_dst, src.data, src.nbytes(), cudaMemcpyDeviceToHost));
+    MT_CUDA_CHECK(cudaMemcpy(host_dst, src.data, src.nbytes(), cudaMemcpyDefault));
 }
 
 void CudaBackend::synchronize() { MT_CUDA_CHECK(cudaDeviceSynchronize()); }
+
+// ---- offload --------------------------------------------------------------------------------------
+
+void* CudaBackend::allocate_host(uint64_t bytes) {
+  void* base = nullptr;
+  const cudaError_t status = cudaHostAlloc(&base, bytes == 0 ? 256 : bytes, cudaHostAllocDefault);
+  if (status != cudaSuccess) {
+    (void)cudaGetLastError();
+    mt_fail("{} bytes of pinned host memory (offloaded activations or embeddings) could not be allocated ({}): "
+            "free host memory, shorten --max_seq_length or drop --offload_activations",
+            bytes, cudaGetErrorString(status));
+  }
+  return base;
+}
+
+void CudaBackend::free_host(void* base) { MT_CUDA_CHECK(cudaFreeHost(base)); }
+
+CopyEvent CudaBackend::create_event() {
+  if (copy_stream_ == nullptr) {
+    MT_CUDA_CHECK(cudaStreamCreateWithFlags(&copy_stream_, cudaStreamNonBlocking));
+    MT_CUDA_CHECK(cudaEventCreateWithFlags(&compute_issued_, cudaEventDisableTiming));
+  }
+  cudaEvent_t event = nullptr;
+  MT_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+  copy_events_.push_back(event);
+  return CopyEvent{static_cast<int32_t>(copy_events_.size() - 1)};
+}
+
+void CudaBackend::destroy_event(CopyEvent event) {
+  cudaEvent_t& slot = copy_events_.at(static_cast<size_t>(event.id));
+  if (slot != nullptr) MT_CUDA_CHECK(cudaEventDestroy(slot));
+  slot = nullptr;
+}
+
+cudaEvent_t CudaBackend::event_of(CopyEvent event) const {
+  MT_ASSERT(event.id >= 0 && static_cast<size_t>(event.id) < copy_events_.size() &&
+                copy_events_[event.id] != nullptr,
+            "copy event {} was not created by this backend", event.id);
+  return copy_events_[event.id];
+}
+
+void CudaBackend::copy_stream_follows_compute() {
+  MT_ASSERT(copy_stream_ != nullptr, "an offload copy before any copy event was created");
+  MT_CUDA_CHECK(cudaEventRecord(compute_issued_, stream_));
+  MT_CUDA_CHECK(cudaStreamWaitEvent(copy_stream_, compute_issued_, 0));
+}
+
+void CudaBackend::copy_to_host_async(void* host_dst, const Tensor& src, CopyEvent done) {
+  MT_ASSERT(src.device == Device::cuda, "copy_to_host_async from a {} tensor", device_name(src.device));
+  const cudaEvent_t event = event_of(done);
+  copy_stream_follows_compute();
+  if (src.nbytes() > 0)
+    MT_CUDA_CHECK(cudaMemcpyAsync(host_dst, src.data, src.nbytes(), cudaMemcpyDeviceToHost, copy_stream_));
+  MT_CUDA_CHECK(cudaEventRecord(event, copy_stream_));
+}
+
+void CudaBackend::copy_from_host_async(const Tensor& dst, const void* host_src, CopyEvent done) {
+  MT_ASSERT(dst.device == Device::cuda, "copy_from_host_async into a {} tensor", device_name(dst.device));
+  const cudaEvent_t event = event_of(done);
+  copy_stream_follows_compute();
+  if (dst.nbytes() > 0)
+    MT_CUDA_CHECK(cudaMemcpyAsync(dst.data, host_src, dst.nbytes(), cudaMemcpyHostToDevice, copy_stream_));
+  MT_CUDA_CHECK(cudaEventRecord(event, copy_stream_));
+}
+
+void CudaBackend::compute_wait(CopyEvent done) {
+  MT_CUDA_CHECK(cudaStreamWaitEvent(stream_, event_of(done), 0));
+}
+
+// ---- end offload ----------------------------------------------------------------------------------
 
 // ---- elementwise ------------------------------------------------------------------------------
 

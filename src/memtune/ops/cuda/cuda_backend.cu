@@ -117,7 +117,7 @@ void launch_convert(void* dst, DType dst_type, const void* src, DType src_type, 
   if (dst_type == src_type) {
     if (dst != src)
       MT_CUDA_CHECK(cudaMemcpyAsync(dst, src, static_cast<size_t>(n) * dtype_size(dst_type),
-                                    cudaMemcpyDeviceToDevice, stream));
+                                    cudaMemcpyDefault, stream));
     return;
   }
   convert_kernel<<<grid_for(n, kThreads), kThreads, 0, stream>>>(dst, dst_type, src, src_type,

@@ -3,7 +3,10 @@
 // Tensor arguments (an inconsistent call is an internal error: MT_ASSERT) and launches them.
 //
 // Streams: everything runs on the legacy default stream, in call order, so the host-side copies
-// (cudaMemcpy) are ordered with the kernels without extra events.
+// (cudaMemcpy) are ordered with the kernels without extra events. The one exception is the
+// offload copies (copy_to_host_async, copy_from_host_async): they run on a non-blocking copy
+// stream, created on first use, between pinned host memory (cudaHostAlloc) and the arena, and
+// are ordered against the default stream with events (backend.h states the contract).
 //
 // Scratch (Backend::workspace_bytes, planned by the engine and bound with bind_workspace):
 //  - a 32 MiB cuBLASLt workspace;
@@ -15,6 +18,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "memtune/ops/backend.h"
 #include "memtune/ops/cuda/cuda_ops.h"
@@ -37,6 +41,15 @@ class CudaBackend final : public Backend {
   void copy_from_host(const Tensor& dst, const void* host_src) override;
   void copy_to_host(void* host_dst, const Tensor& src) override;
   void synchronize() override;
+  // ---- offload ----
+  void* allocate_host(uint64_t bytes) override;
+  void free_host(void* base) override;
+  CopyEvent create_event() override;
+  void destroy_event(CopyEvent event) override;
+  void copy_to_host_async(void* host_dst, const Tensor& src, CopyEvent done) override;
+  void copy_from_host_async(const Tensor& dst, const void* host_src, CopyEvent done) override;
+  void compute_wait(CopyEvent done) override;
+  // ---- end offload ----
   uint64_t workspace_bytes() const override;
   void bind_workspace(const Tensor& workspace) override;
 
@@ -113,6 +126,14 @@ class CudaBackend final : public Backend {
   void ensure_workspace();
 
   cudaStream_t stream_ = nullptr;  // the legacy default stream
+  // ---- offload ----
+  // Makes the copy stream wait for everything issued to the compute stream so far.
+  void copy_stream_follows_compute();
+  cudaEvent_t event_of(CopyEvent event) const;
+  cudaStream_t copy_stream_ = nullptr;     // non-blocking: it never waits on the default stream by itself
+  cudaEvent_t compute_issued_ = nullptr;   // recorded on the compute stream before each copy
+  std::vector<cudaEvent_t> copy_events_;   // indexed by CopyEvent::id
+  // ---- end offload ----
   void* bound_workspace_ = nullptr;  // planned by the engine; null when unbound
   void* owned_workspace_ = nullptr;  // the fallback, allocated on first unbound use
   float* reduction_scratch_ = nullptr;

@@ -1,0 +1,191 @@
+#include "memtune/dist/sharded_base.h"
+
+#include <algorithm>
+#include <limits>
+#include <map>
+
+#include <fmt/format.h>
+
+#include "memtune/core/bytes.h"
+#include "memtune/core/error.h"
+
+namespace memtune {
+namespace {
+
+constexpr uint64_t kAlign = LifetimeAllocator::kAlignment;
+
+uint64_t align_up(uint64_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
+
+bool is_base_category(MemCategory c) {
+  return c == MemCategory::frozen_weights || c == MemCategory::quant_constants;
+}
+
+// "model.layers.12.self_attn.q_proj.weight..." -> 12; the embedding -> -1 (first); the rest
+// (model.norm, lm_head) -> the head (last).
+int unit_layer(const std::string& name, bool* is_embed) {
+  *is_embed = name.rfind("model.embed_tokens", 0) == 0;
+  const std::string prefix = "model.layers.";
+  if (name.rfind(prefix, 0) != 0) return -1;
+  size_t end = prefix.size();
+  int layer = 0;
+  while (end < name.size() && name[end] >= '0' && name[end] <= '9') layer = layer * 10 + (name[end++] - '0');
+  return end > prefix.size() ? layer : -1;
+}
+
+}  // namespace
+
+uint64_t ShardedBaseLayout::shard_bytes_per_rank() const {
+  uint64_t total = 0;
+  for (const BaseUnit& u : units) total += u.shard_bytes;
+  return total;
+}
+
+uint64_t ShardedBaseLayout::gather_buffer_bytes() const {
+  uint64_t largest = 0;
+  for (const BaseUnit& u : units) largest = std::max(largest, u.bytes);
+  return largest;
+}
+
+ShardedBaseLayout sharded_base_layout(const std::vector<AllocationRecord>& records, int world_size) {
+  MT_USER_CHECK(world_size >= 1, "sharding the base over {} ranks: expected at least 1", world_size);
+  ShardedBaseLayout layout;
+  layout.world_size = world_size;
+  // Key: 0 embed, 1 + layer, INT_MAX head.
+  std::map<int, BaseUnit> units;
+  for (const AllocationRecord& r : records) {
+    if (!is_base_category(r.category) || r.freed_at >= 0) continue;
+    bool is_embed = false;
+    const int layer = unit_layer(r.name, &is_embed);
+    const int key = is_embed ? 0 : layer >= 0 ? 1 + layer : std::numeric_limits<int>::max();
+    BaseUnit& unit = units[key];
+    unit.layer = layer;
+    unit.name = is_embed ? "embed_tokens" : layer >= 0 ? fmt::format("layers.{}", layer) : "head";
+    unit.pieces.push_back({r.name, r.category, r.bytes, unit.bytes});
+    unit.bytes += align_up(r.bytes);
+    layout.unsharded_bytes += r.bytes;
+  }
+  for (auto& [key, unit] : units) {
+    const uint64_t per_rank = (unit.bytes + world_size - 1) / world_size;
+    unit.shard_bytes = align_up(per_rank);
+    unit.bytes = unit.shard_bytes * static_cast<uint64_t>(world_size);
+    layout.units.push_back(std::move(unit));
+  }
+  return layout;
+}
+
+std::vector<GatherEvent> unit_visits_of_step(const ShardedBaseLayout& layout, std::vector<int>* visits_out) {
+  std::vector<int> visits;
+  const int n = static_cast<int>(layout.units.size());
+  for (int u = 0; u < n; ++u) visits.push_back(u);
+  for (int u = n - 1; u >= 0; --u)
+    if (layout.units[static_cast<size_t>(u)].layer >= 0) visits.push_back(u);
+  if (visits_out != nullptr) *visits_out = visits;
+  return gather_schedule(visits);
+}
+
+std::vector<GatherEvent> gather_schedule(const std::vector<int>& visits) {
+  std::vector<GatherEvent> events;
+  if (visits.empty()) return events;
+  events.push_back({GatherAction::gather, visits[0], 0});
+  for (size_t k = 0; k < visits.size(); ++k) {
+    const int buffer = static_cast<int>(k % 2);
+    events.push_back({GatherAction::wait, visits[k], buffer});
+    if (k + 1 < visits.size()) events.push_back({GatherAction::gather, visits[k + 1], 1 - buffer});
+    events.push_back({GatherAction::compute, visits[k], buffer});
+    events.push_back({GatherAction::release, visits[k], buffer});
+  }
+  return events;
+}
+
+std::string check_gather_schedule(const std::vector<GatherEvent>& events, const std::vector<int>& visits) {
+  int held_unit[2] = {-1, -1};
+  bool ready[2] = {false, false};
+  size_t next_visit = 0;
+  for (size_t i = 0; i < events.size(); ++i) {
+    const GatherEvent& e = events[i];
+    if (e.buffer < 0 || e.buffer > 1) return fmt::format("event {}: buffer {}", i, e.buffer);
+    const int b = e.buffer;
+    switch (e.action) {
+      case GatherAction::gather:
+        if (held_unit[b] >= 0) return fmt::format("event {}: gather of unit {} into buffer {} that holds unit {}", i, e.unit, b, held_unit[b]);
+        held_unit[b] = e.unit;
+        ready[b] = false;
+        break;
+      case GatherAction::wait:
+        if (held_unit[b] != e.unit) return fmt::format("event {}: wait for unit {} in buffer {} that holds {}", i, e.unit, b, held_unit[b]);
+        ready[b] = true;
+        break;
+      case GatherAction::compute:
+        if (held_unit[b] != e.unit || !ready[b]) return fmt::format("event {}: compute of unit {} before it was gathered and waited for", i, e.unit);
+        if (next_visit >= visits.size() || visits[next_visit] != e.unit) return fmt::format("event {}: compute of unit {} out of order", i, e.unit);
+        ++next_visit;
+        break;
+      case GatherAction::release:
+        if (held_unit[b] != e.unit) return fmt::format("event {}: release of unit {} not in buffer {}", i, e.unit, b);
+        held_unit[b] = -1;
+        ready[b] = false;
+        break;
+    }
+  }
+  if (next_visit != visits.size()) return fmt::format("{} of {} visits computed", next_visit, visits.size());
+  if (held_unit[0] >= 0 || held_unit[1] >= 0) return "a buffer is still held at the end";
+  return {};
+}
+
+uint64_t RankMemory::peak_live_bytes() const {
+  uint64_t total = 0;
+  for (uint64_t b : at_peak) total += b;
+  return total;
+}
+
+RankMemory rank_memory(const Plan& rank_plan, int world_size, bool shard_base) {
+  MT_USER_CHECK(world_size >= 1, "per-rank memory of {} ranks: expected at least 1", world_size);
+  RankMemory out;
+  out.world_size = world_size;
+  out.base_sharded = shard_base && world_size > 1;
+  out.at_peak = rank_plan.at_peak;
+  out.arena_bytes = rank_plan.arena_bytes;
+  if (!out.base_sharded) return out;
+  const ShardedBaseLayout layout = sharded_base_layout(rank_plan.records, world_size);
+  // The persistent base is live at the peak; its records are the first ones (the bottom of the
+  // arena), so removing them lowers the arena by their aligned bytes.
+  uint64_t persistent_aligned = 0;
+  CategoryBytes persistent{};
+  for (const AllocationRecord& r : rank_plan.records)
+    if (is_base_category(r.category) && r.freed_at < 0) {
+      persistent[static_cast<int>(r.category)] += r.bytes;
+      persistent_aligned += align_up(r.bytes);
+    }
+  out.base_shard_bytes = layout.shard_bytes_per_rank();
+  out.base_gather_bytes = layout.gather_buffer_bytes() * ShardedBaseLayout::kGatherBuffers;
+  const uint64_t unsharded = persistent[0] + persistent[1];
+  // The shards are split between the two categories in the proportion of the unsharded bytes.
+  const int fw = static_cast<int>(MemCategory::frozen_weights), qc = static_cast<int>(MemCategory::quant_constants);
+  const uint64_t qc_share =
+      unsharded == 0 ? 0
+                     : static_cast<uint64_t>(static_cast<double>(out.base_shard_bytes) *
+                                             static_cast<double>(persistent[qc]) / static_cast<double>(unsharded));
+  out.at_peak[fw] = out.at_peak[fw] - persistent[fw] + (out.base_shard_bytes - qc_share) + out.base_gather_bytes;
+  out.at_peak[qc] = out.at_peak[qc] - persistent[qc] + qc_share;
+  out.arena_bytes = rank_plan.arena_bytes - persistent_aligned + out.base_shard_bytes + out.base_gather_bytes;
+  return out;
+}
+
+std::string format_rank_memory(const Plan& single, const RankMemory& rank) {
+  std::string out = fmt::format("per-rank memory, {} ranks ({}; ZeRO-1 optimizer state)\n", rank.world_size,
+                                rank.base_sharded ? "frozen base sharded, 2 gather buffers" : "frozen base replicated");
+  out += fmt::format("  {:<24} {:>12} {:>12}\n", "category", "one device", "per rank");
+  for (int c = 0; c < kNumMemCategories; ++c)
+    out += fmt::format("  {:<24} {:>12} {:>12}\n", category_label(category_at(c)), format_bytes(single.at_peak[c]),
+                       format_bytes(rank.at_peak[c]));
+  out += fmt::format("  {:<24} {:>12} {:>12}\n", "live at peak", format_bytes(single.peak_live_bytes),
+                     format_bytes(rank.peak_live_bytes()));
+  out += fmt::format("  {:<24} {:>12} {:>12}\n", "arena", format_bytes(single.arena_bytes),
+                     format_bytes(rank.arena_bytes));
+  if (rank.base_sharded)
+    out += fmt::format("  (frozen weights per rank include the gather buffers: {})\n",
+                       format_bytes(rank.base_gather_bytes));
+  return out;
+}
+
+}  // namespace memtune

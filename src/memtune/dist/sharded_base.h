@@ -1,0 +1,89 @@
+// FSDP-QLoRA: the frozen base split across ranks and gathered one unit at a time.
+//
+// A unit is what the step needs at once: the embedding, one decoder layer, or the final norm with
+// the LM head. A unit's buffers (NF4 codes, absmax or absmax codes, nested absmax, the code maps;
+// or 16-bit weights, and the norms) are laid end to end at 256-byte offsets into one flat byte
+// buffer, padded to world_size equal shards. Rank r keeps shard r of every unit; before a unit
+// computes, an all-gather (bytes: u8) restores the whole flat buffer in one of two gather
+// buffers, so the gather of the next unit runs while this one computes, and the buffer is given
+// back when the unit is done. The bytes are gathered as they are, so the 4-bit format needs no
+// special case; the dequantize of the step then reads the gathered codes.
+//
+// The layout is made from the plan's own records (plan by running): every persistent buffer of
+// category frozen_weights or quant_constants, grouped by its name's unit.
+//
+// Not yet wired into the step: that needs LlamaStep to ask for a unit's weights through a
+// provider (frozen_weight(layer, p) already funnels every projection read; the norms and the
+// embedding / head would need the same), which is step/'s code.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "memtune/core/memory.h"
+#include "memtune/train/engine.h"
+
+namespace memtune {
+
+struct BaseUnitPiece {
+  std::string name;  // the record's name ("model.layers.3.mlp.down_proj.weight.absmax")
+  MemCategory category;
+  uint64_t bytes = 0;
+  uint64_t offset = 0;  // in the unit's flat buffer, 256-byte aligned
+};
+
+struct BaseUnit {
+  std::string name;  // "embed_tokens", "layers.3", "head"
+  int layer = -1;    // the decoder layer, -1 for embed_tokens and head
+  std::vector<BaseUnitPiece> pieces;
+  uint64_t bytes = 0;        // the flat buffer, world_size * shard_bytes
+  uint64_t shard_bytes = 0;  // what each rank keeps, 256-byte aligned
+};
+
+struct ShardedBaseLayout {
+  int world_size = 1;
+  std::vector<BaseUnit> units;  // in forward order: embed_tokens, layers.0, ..., head
+  uint64_t unsharded_bytes = 0;  // the records' bytes as one device holds them
+  uint64_t shard_bytes_per_rank() const;
+  uint64_t gather_buffer_bytes() const;  // one buffer: the largest unit
+  static constexpr int kGatherBuffers = 2;
+};
+
+// Throws memtune::Error for world_size < 1.
+ShardedBaseLayout sharded_base_layout(const std::vector<AllocationRecord>& records, int world_size);
+
+// The order in which a training step gathers, waits for, computes with and releases the units,
+// double-buffered. The forward visits every unit (the head does the loss and its backward in
+// one visit); the backward visits the layers again, last first (the embedding is frozen and
+// nothing needs its backward).
+enum class GatherAction : uint8_t { gather, wait, compute, release };
+struct GatherEvent {
+  GatherAction action;
+  int unit;
+  int buffer;  // 0 or 1
+};
+std::vector<GatherEvent> unit_visits_of_step(const ShardedBaseLayout& layout, std::vector<int>* visits = nullptr);
+// The schedule for a sequence of unit visits: gather(v0); then per visit k: wait(vk),
+// gather(v(k+1)) into the other buffer, compute(vk), release(vk).
+std::vector<GatherEvent> gather_schedule(const std::vector<int>& visits);
+// Empty when the schedule is sound (each compute's unit gathered and waited for in its buffer,
+// never more than two buffers held, no gather into a held buffer), else the first problem.
+std::string check_gather_schedule(const std::vector<GatherEvent>& events, const std::vector<int>& visits);
+
+// One rank's memory: a rank's plan (plan_run with world_size: flat adapters, ZeRO-1 moment
+// shards) with the frozen base sharded, or not.
+struct RankMemory {
+  int world_size = 1;
+  bool base_sharded = false;
+  CategoryBytes at_peak{};      // live bytes per category at the peak, per rank
+  uint64_t base_shard_bytes = 0;   // persistent base per rank (frozen_weights + quant_constants)
+  uint64_t base_gather_bytes = 0;  // the two gather buffers (counted in frozen_weights)
+  uint64_t arena_bytes = 0;     // the arena a rank allocates
+  uint64_t peak_live_bytes() const;
+};
+RankMemory rank_memory(const Plan& rank_plan, int world_size, bool shard_base);
+// A table: category, one device, per rank; and the totals.
+std::string format_rank_memory(const Plan& single_device_plan, const RankMemory& rank);
+
+}  // namespace memtune

@@ -1,0 +1,92 @@
+// The command line of activation offload and of long contexts: --offload_activations (and its
+// YAML key) in the plan, its refusal without checkpointing, and fit --max-context.
+#include <gtest/gtest.h>
+
+#include <fmt/format.h>
+
+#include <fstream>
+
+#include "cli_test_util.h"
+
+namespace {
+
+using namespace memtune::clitest;
+namespace fs = std::filesystem;
+
+const char* kFullStack8b =
+    "--model llama-3.1-8b --load_in_4bit --bf16 --gradient_checkpointing --attn_implementation flash "
+    "--loss_implementation chunked --batch 1";
+
+nlohmann::json plan_json_of(const std::string& args) {
+  const Result r = run_memtune("plan --json " + args);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  return nlohmann::json::parse(r.output);
+}
+
+TEST(CliOffload, NeedsGradientCheckpointing) {
+  const Result r = run_memtune("plan --model tiny --offload_activations");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("offload_activations needs gradient_checkpointing"), std::string::npos) << r.output;
+  const fs::path dir = scratch_dir("offload_yaml");
+  std::ofstream(dir / "run.yaml") << "offload_activations: true\n";
+  const Result from_yaml = run_memtune("plan --model tiny --config " + (dir / "run.yaml").string());
+  EXPECT_NE(from_yaml.exit_code, 0);
+  EXPECT_NE(from_yaml.output.find("needs gradient_checkpointing"), std::string::npos) << from_yaml.output;
+  std::ofstream(dir / "run.yaml") << "offload_activations: true\ngradient_checkpointing: true\n";
+  EXPECT_EQ(plan_json_of("--model tiny --config " + (dir / "run.yaml").string())["run"]["offload_activations"], true);
+}
+
+TEST(CliOffload, ThePlanShowsTheHostBytesAndTheDeviceSaving) {
+  const nlohmann::json plain = plan_json_of(std::string(kFullStack8b) + " --seq 8192");
+  const nlohmann::json offloaded = plan_json_of(std::string(kFullStack8b) + " --seq 8192 --offload_activations");
+  EXPECT_EQ(plain["host_bytes"].get<uint64_t>(), 0u);
+  // 31 of the 32 layer inputs, [8192, 4096] bf16 each, on the host.
+  EXPECT_EQ(offloaded["host_bytes"].get<uint64_t>(), 31ull * 8192 * 4096 * 2);
+  EXPECT_EQ(offloaded["host_categories"]["offloaded_activations"], offloaded["host_bytes"]);
+  // On the device two slots replace 33 layer inputs (the saved activations at the peak).
+  EXPECT_LT(offloaded["peak_bytes"].get<uint64_t>() + 25ull * 8192 * 4096 * 2, plain["peak_bytes"].get<uint64_t>());
+  const Result text = run_memtune("plan " + std::string(kFullStack8b) + " --seq 8192 --offload_activations");
+  EXPECT_NE(text.output.find("offloaded activations"), std::string::npos) << text.output;
+  EXPECT_NE(text.output.find("checkpointing on + offload"), std::string::npos) << text.output;
+}
+
+TEST(CliOffload, Llama8bQloraAt128kFits24GiBOnlyWithOffload) {
+  const std::string at_128k = std::string(kFullStack8b) + " --seq 131072";
+  const uint64_t context = 512ull << 20, budget = 24ull << 30;
+  const nlohmann::json plain = plan_json_of(at_128k);
+  const nlohmann::json offloaded = plan_json_of(at_128k + " --offload_activations");
+  EXPECT_GT(plain["peak_bytes"].get<uint64_t>() + context, budget);
+  EXPECT_LT(offloaded["peak_bytes"].get<uint64_t>() + context, budget);
+  EXPECT_EQ(run_memtune("plan " + at_128k + " --offload_activations --vram 24GiB").exit_code, 0);
+}
+
+TEST(CliFit, MaxContextWithAndWithoutOffload) {
+  // A budget that is exactly the plan of the tiny model's full stack at seq 1024 without offload.
+  const std::string stack = "--model tiny --load_in_4bit --bf16 --gradient_checkpointing --attn_implementation flash "
+                            "--loss_implementation chunked --batch 1";
+  const uint64_t budget = plan_json_of(stack + " --seq 1024")["peak_bytes"].get<uint64_t>();
+  const Result r = run_memtune(fmt::format("fit --model tiny --vram {} --context 0 --max-context --json", budget));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const nlohmann::json fit = nlohmann::json::parse(r.output);
+  const int64_t without = fit["without_offload"]["seq"].get<int64_t>();
+  const int64_t with = fit["with_offload"]["seq"].get<int64_t>();
+  EXPECT_GE(without, 1024);
+  EXPECT_LT(without, 2048);  // the model's limit does not fit
+  EXPECT_GT(with, without);
+  EXPECT_LE(fit["without_offload"]["planned_bytes"].get<uint64_t>(), budget);
+  EXPECT_LE(fit["with_offload"]["planned_bytes"].get<uint64_t>(), budget);
+  EXPECT_GT(fit["with_offload"]["host_bytes"].get<uint64_t>(), 0u);
+  // One more step of tokens does not fit: the search found the longest.
+  const nlohmann::json longer = plan_json_of(stack + fmt::format(" --seq {}", without + 256));
+  EXPECT_GT(longer["peak_bytes"].get<uint64_t>(), budget);
+  const Result text = run_memtune(fmt::format("fit --model tiny --vram {} --context 0 --max-context", budget));
+  EXPECT_NE(text.output.find("without offload"), std::string::npos) << text.output;
+  EXPECT_NE(text.output.find("with --offload_activations"), std::string::npos) << text.output;
+  // Nothing fits: a clear error and a non-zero exit.
+  const Result none = run_memtune("fit --model llama-3.1-8b --vram 2GiB --max-context");
+  EXPECT_NE(none.exit_code, 0);
+  EXPECT_NE(none.output.find("nothing fits"), std::string::npos) << none.output;
+  EXPECT_NE(none.output.find("no context of 256 tokens"), std::string::npos) << none.output;
+}
+
+}  // namespace

@@ -1,0 +1,250 @@
+// The data-parallel step on the CPU: 2 ranks (threads, in-process communicator) give the same
+// adapters as 1 rank with twice the accumulation, through the engine and through the trainer;
+// the plan of a rank equals what it allocates; a rank that stops makes the others fail clearly.
+#include "memtune/dist/data_parallel.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <sstream>
+
+#include "memtune/data/sft_dataset.h"
+#include "memtune/dist/launch_env.h"
+#include "memtune/train/engine_arena.h"
+#include "memtune/train/trainer.h"
+#include "../train/engine_test_util.h"
+#include "inprocess_communicator.h"
+
+using namespace memtune;
+
+namespace {
+
+using enginetest::small_model;
+using enginetest::small_run;
+
+void init_engine(Engine& engine) {
+  engine.init_random_weights(7);
+  engine.init_adapters(11);
+  for (const LoraTensors& t : engine.lora().tensors())
+    engine.backend().fill_random(t.b, Backend::Distribution::normal, 0.0f, 0.05f, 3);
+  engine.lora().sync_compute_copies(engine.backend());
+}
+
+std::vector<float> adapters(Engine& engine) {
+  std::vector<float> out;
+  for (const LoraTensors& t : engine.lora().tensors())
+    for (const Tensor* p : {&t.a, &t.b}) {
+      std::vector<float> host(static_cast<size_t>(p->numel()));
+      engine.backend().copy_to_host(host.data(), *p);
+      out.insert(out.end(), host.begin(), host.end());
+    }
+  return out;
+}
+
+double rel_error(const std::vector<float>& a, const std::vector<float>& b) {
+  double d = 0, r = 0;
+  for (size_t i = 0; i < a.size(); ++i) d += (double(a[i]) - b[i]) * (double(a[i]) - b[i]), r += double(b[i]) * b[i];
+  return std::sqrt(d / r);
+}
+
+Dataset random_dataset(const std::vector<int>& lengths, uint64_t seed) {
+  Dataset data;
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    Sample s;
+    for (int t = 0; t < lengths[i]; ++t) s.input_ids.push_back(static_cast<int32_t>(dropout_hash(seed, i * 1000 + t) % 300));
+    s.labels = s.input_ids;
+    if (i % 3 == 0) s.labels[0] = s.labels[1] = -100;
+    data.samples.push_back(std::move(s));
+  }
+  return data;
+}
+
+}  // namespace
+
+TEST(DataParallel, TwoRanksEqualOneRankWithTwiceTheAccumulation) {
+  const LlamaConfig model = small_model();
+  for (bool bf16 : {false, true}) {
+    RunConfig run = small_run();
+    run.lora_dropout = 0.1;  // dropout is seeded by the global micro-batch index
+    run.weight_decay = 0.01;
+    if (bf16) run.precision = Precision::bf16;
+    const int steps = 3, per_rank = 2;
+    std::vector<std::vector<HostMicroBatch>> step_batches;
+    for (int s = 0; s < steps; ++s) step_batches.push_back(enginetest::random_batches(model, run, 2 * per_rank, 50 + s));
+
+    auto cpu = make_cpu_backend();
+    PlannedEngine single(*cpu, run, model);
+    init_engine(single.engine());
+    std::vector<double> single_losses;
+    for (int s = 0; s < steps; ++s) single_losses.push_back(single->train_step(step_batches[static_cast<size_t>(s)]).loss);
+    const std::vector<float> expected = adapters(single.engine());
+
+    std::vector<std::vector<float>> got(2);
+    std::vector<std::vector<double>> losses(2);
+    disttest::InProcessGroup group(2);
+    disttest::run_ranks(2, [&](int rank) {
+      disttest::InProcessCommunicator comm(group, rank);
+      auto backend = make_cpu_backend();
+      PlannedEngine engine(*backend, run, model, &comm);
+      ASSERT_EQ(engine->world_size(), 2);
+      init_engine(engine.engine());
+      for (int s = 0; s < steps; ++s) {
+        std::vector<HostMicroBatch> mine;  // global micro-batches rank, rank + 2, ...
+        for (int m = rank; m < 2 * per_rank; m += 2) mine.push_back(step_batches[static_cast<size_t>(s)][static_cast<size_t>(m)]);
+        const StepReport report = engine->train_step(mine);
+        losses[static_cast<size_t>(rank)].push_back(report.loss);
+        EXPECT_EQ(report.tokens, 2 * per_rank * run.per_device_train_batch_size * run.max_seq_length);
+      }
+      got[static_cast<size_t>(rank)] = adapters(engine.engine());
+    });
+    EXPECT_EQ(got[0], got[1]) << "the ranks disagree";
+    EXPECT_LT(rel_error(got[0], expected), bf16 ? 2e-3 : 1e-5) << (bf16 ? "bf16" : "fp32");
+    for (int s = 0; s < steps; ++s) {
+      EXPECT_NEAR(losses[0][static_cast<size_t>(s)], single_losses[static_cast<size_t>(s)], 1e-4 * single_losses[static_cast<size_t>(s)]);
+      EXPECT_EQ(losses[0][static_cast<size_t>(s)], losses[1][static_cast<size_t>(s)]);
+    }
+  }
+}
+
+TEST(DataParallel, TrainerOnTwoRanksEqualsOneRankWithTwiceTheAccumulation) {
+  const LlamaConfig model = small_model();
+  // 11 rows, 2 per micro-batch: 6 micro-batches an epoch, so a 4-micro-batch step leaves a
+  // remainder step of 2 (one each) and a rank can get fewer micro-batches than another.
+  const Dataset data = random_dataset({10, 7, 12, 9, 5, 11, 8, 6, 12, 4, 9}, 5);
+  RunConfig run = small_run();
+  run.max_steps = 4;
+  run.lora_dropout = 0.1;
+  run.gradient_accumulation_steps = 4;
+  TrainerOptions options;
+  options.quiet = true;
+  options.handle_signals = false;
+
+  auto cpu = make_cpu_backend();
+  PlannedEngine single(*cpu, run, model);
+  init_engine(single.engine());
+  std::ostringstream out, err;
+  const TrainOutcome expected = Trainer(single.engine(), data, nullptr, options, out, err).run();
+  const std::vector<float> expected_adapters = adapters(single.engine());
+
+  run.gradient_accumulation_steps = 2;
+  std::vector<TrainOutcome> outcomes(2);
+  std::vector<std::vector<float>> got(2);
+  disttest::InProcessGroup group(2);
+  disttest::run_ranks(2, [&](int rank) {
+    disttest::InProcessCommunicator comm(group, rank);
+    auto backend = make_cpu_backend();
+    PlannedEngine engine(*backend, run, model, &comm);
+    init_engine(engine.engine());
+    std::ostringstream rank_out, rank_err;
+    outcomes[static_cast<size_t>(rank)] = Trainer(engine.engine(), data, nullptr, options, rank_out, rank_err).run();
+    got[static_cast<size_t>(rank)] = adapters(engine.engine());
+  });
+  ASSERT_EQ(outcomes[0].losses.size(), expected.losses.size());
+  for (size_t s = 0; s < expected.losses.size(); ++s)
+    EXPECT_NEAR(outcomes[0].losses[s], expected.losses[s], 1e-4 * expected.losses[s]) << "step " << s;
+  EXPECT_EQ(got[0], got[1]);
+  EXPECT_LT(rel_error(got[0], expected_adapters), 1e-5);
+}
+
+TEST(DataParallel, ThePlanOfARankIsWhatItAllocates) {
+  const LlamaConfig model = small_model();
+  RunConfig run = small_run();
+  run.precision = Precision::bf16;
+  run.gradient_checkpointing = true;
+  disttest::InProcessGroup group(2);
+  disttest::run_ranks(2, [&](int rank) {
+    disttest::InProcessCommunicator comm(group, rank);
+    auto backend = make_cpu_backend();
+    PlannedEngine engine(*backend, run, model, &comm);
+    init_engine(engine.engine());
+    engine->train_step(enginetest::random_batches(model, run, 1, 3 + rank));
+    engine->eval_loss_sum(enginetest::random_batches(model, run, 1, 4)[0]);
+    EXPECT_EQ(engine->memory().verify_against(engine.plan().records), "");
+    EXPECT_EQ(engine->memory().allocator().high_water(), engine.plan().arena_bytes);
+    const DataParallelAdapters& dp = *engine->data_parallel();
+    EXPECT_EQ(dp.exp_avg_shard().numel() * 2, engine->lora().flat_params().numel());
+    EXPECT_EQ(dp.layout().padded_total(), engine->lora().flat_grads().numel());
+  });
+  // ZeRO-1 halves the moments of the plan.
+  const Plan one = plan_run(run, model, Device::cpu), two = plan_run(run, model, Device::cpu, 2);
+  const int opt = static_cast<int>(MemCategory::optimizer_state);
+  EXPECT_LT(two.max_by_category[opt], one.max_by_category[opt] * 6 / 10);
+}
+
+TEST(DataParallel, ARankThatStopsMakesTheOthersFailWithAClearError) {
+  const LlamaConfig model = small_model();
+  const RunConfig run = small_run();
+  const std::vector<HostMicroBatch> batches = enginetest::random_batches(model, run, 2, 9);
+  disttest::InProcessGroup group(2, std::chrono::milliseconds(500));
+  std::string message;
+  disttest::run_ranks(2, [&](int rank) {
+    disttest::InProcessCommunicator comm(group, rank);
+    auto backend = make_cpu_backend();
+    PlannedEngine engine(*backend, run, model, &comm);
+    init_engine(engine.engine());
+    if (rank == 1) return;  // "dies" before its first step
+    try {
+      engine->train_step({batches[0]});
+    } catch (const Error& e) {
+      message = e.what();
+    }
+  });
+  EXPECT_NE(message.find("rank 0 waited"), std::string::npos) << message;
+}
+
+TEST(DataParallel, CheckpointsOfADataParallelRunAreRefusedClearly) {
+  const LlamaConfig model = small_model();
+  const RunConfig run = small_run();
+  disttest::InProcessGroup group(2);
+  disttest::run_ranks(2, [&](int rank) {
+    disttest::InProcessCommunicator comm(group, rank);
+    auto backend = make_cpu_backend();
+    PlannedEngine engine(*backend, run, model, &comm);
+    EXPECT_THROW(engine->save_checkpoint(std::filesystem::path(MEMTUNE_BINARY_DIR) / "dp_ckpt", "base"), Error);
+  });
+}
+
+TEST(DataParallel, OneRankCommunicatorChangesNothing) {
+  const LlamaConfig model = small_model();
+  const RunConfig run = small_run();
+  const std::vector<HostMicroBatch> batches = enginetest::random_batches(model, run, 2, 4);
+  auto cpu = make_cpu_backend();
+  const std::unique_ptr<Communicator> one = make_single_rank_communicator();
+  PlannedEngine plain(*cpu, run, model), with_one(*cpu, run, model, one.get());
+  EXPECT_EQ(plain.plan().arena_bytes, with_one.plan().arena_bytes);
+  init_engine(plain.engine());
+  init_engine(with_one.engine());
+  EXPECT_EQ(plain->train_step(batches).loss, with_one->train_step(batches).loss);
+  EXPECT_EQ(adapters(plain.engine()), adapters(with_one.engine()));
+  EXPECT_EQ(with_one->world_size(), 1);
+}
+
+TEST(DataParallel, TheSingleRankCommunicatorIsTheIdentity) {
+  const std::unique_ptr<Communicator> one = make_single_rank_communicator();
+  std::vector<float> a = {1, 2, 3, 4}, b(4, 0.0f);
+  const Tensor ta{a.data(), DType::f32, Shape{4}, Device::cpu}, tb{b.data(), DType::f32, Shape{4}, Device::cpu};
+  one->all_reduce_sum(ta, tb, {});
+  EXPECT_EQ(b, a);
+  std::fill(b.begin(), b.end(), 0.0f);
+  one->reduce_scatter_sum(ta, tb, {});
+  EXPECT_EQ(b, a);
+  std::fill(b.begin(), b.end(), 0.0f);
+  one->all_gather(ta, tb, {});
+  EXPECT_EQ(b, a);
+  one->broadcast(ta, 0, {});
+  one->wait({});
+  EXPECT_EQ(a, (std::vector<float>{1, 2, 3, 4}));
+}
+
+TEST(DataParallel, SeveralCpuProcessesAreRefused) {
+  LaunchEnv env;
+  env.world_size = 2;
+  env.master_addr = "127.0.0.1";
+  env.master_port = 29500;
+  try {
+    make_communicator(env, Device::cpu);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("CUDA backend"), std::string::npos) << e.what();
+  }
+}
