@@ -11,6 +11,10 @@
 #       ladder     the memory ladder, Llama-3.1-8B architecture (random weights), b2 x 2048
 #       peer       bench/peer_hf.py: transformers + PEFT (+ bitsandbytes) on the same rungs
 #       bench      the op benchmarks in BIN_DIR (bench_*), where built
+#       longctx    Llama-3.1-8B QLoRA (full stack) at batch 1 x LONG_SEQ (default 131072) with
+#                  --offload_activations --offload_embeddings under --vram 24GiB for LONG_STEPS
+#                  (default 3) steps, device peak sampled by nvidia-smi, host memory from the
+#                  plan and the process's max RSS; then `memtune fit --max-context` for 24 and 80 GiB
 #
 # Environment: LADDER_ARGS (extra memtune ladder options), PEER_ARGS (extra peer options),
 # TEST_TIMEOUT (seconds, default 300). The last lines printed are a summary per part.
@@ -119,6 +123,29 @@ if has_part bench; then
     echo "$(basename "$b") exit $?"; tail -30 "$WORK/$(basename "$b").log"
   done
 fi
+if has_part longctx; then
+  stamp longctx
+  L="$WORK/longctx"; mkdir -p "$L"
+  for budget in 24GiB 80GiB; do
+    "$BIN_DIR/memtune" fit --model llama-3.1-8b --vram "$budget" --max-context --json > "$L/fit-$budget.json" 2>&1
+    echo "fit --max-context --vram $budget:"; cat "$L/fit-$budget.json"
+  done
+  LONG_SEQ=${LONG_SEQ:-131072}
+  nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 > "$L/smi.log" 2>&1 &
+  SAMPLER=$!
+  TIMER=(); [ -x /usr/bin/time ] && TIMER=(/usr/bin/time -v)  # max RSS, where installed
+  "${TIMER[@]}" timeout "${LONG_TIMEOUT:-480}" "$BIN_DIR/memtune" train --device cuda --model llama-3.1-8b \
+    --load_in_4bit --bf16 --gradient_checkpointing --attn_implementation flash --loss_implementation chunked \
+    --offload_activations --offload_embeddings --batch 1 --accum 1 --seq "$LONG_SEQ" \
+    --max_steps "${LONG_STEPS:-3}" --vram 24GiB --metrics "$L/metrics.jsonl" --out "$L/out" > "$L/train.log" 2>&1
+  rc=$?
+  kill $SAMPLER 2>/dev/null; wait $SAMPLER 2>/dev/null
+  echo "longctx train seq $LONG_SEQ exit $rc; device peak (nvidia-smi max of $(wc -l < "$L/smi.log") samples): $(sort -n "$L/smi.log" | tail -1) MiB; idle before: $(head -1 "$L/smi.log") MiB"
+  [ $rc -ne 0 ] && status=1
+  grep -E "peak|host|step +[0-9]+|tokens/s|error|Maximum resident" "$L/train.log" | tail -20
+  rm -rf "$L/out"
+fi
+
 stamp done
 tar -czf "$OUT/results.tar.gz" -C "$WORK" . && ls -la "$OUT"
 exit "$status"

@@ -116,14 +116,14 @@ if has_part chunks; then
   # loss) at Llama-3.1-8B b2 x 2048, accumulation 2, on synthetic tokens: tokens/s (steps 2..N)
   # and the device peak (nvidia-smi, context included) of each.
   C="$WORK/chunks"; mkdir -p "$C"
-  for variant in "1024 256" "0 256" "2048 512" "0 1024"; do
+  for variant in ${CHUNK_VARIANTS:-"1024 256" "0 256" "2048 512" "1024 256 --offload_embeddings"}; do
     set -- $variant
-    name="mlp$1-loss$2"
+    name="mlp$1-loss$2${3:+-host-embeddings}"
     nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 100 > "$C/$name.smi" 2>&1 &
     SAMPLER=$!
     "$MEMTUNE" train --device cuda --model llama-3.1-8b --load_in_4bit --bf16 --gradient_checkpointing \
       --attn_implementation flash --loss_implementation chunked --batch 2 --accum 2 --seq 2048 \
-      --mlp_chunk_tokens "$1" --loss_chunk_tokens "$2" --max_steps ${CHUNK_STEPS:-6} --quiet \
+      --mlp_chunk_tokens "$1" --loss_chunk_tokens "$2" ${3:-} --max_steps ${CHUNK_STEPS:-6} --quiet \
       --metrics "$C/$name.jsonl" --out "$C/$name-out" > "$C/$name.log" 2>&1
     rc=$?
     kill $SAMPLER 2>/dev/null; wait $SAMPLER 2>/dev/null
