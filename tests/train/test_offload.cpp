@@ -198,6 +198,16 @@ struct Variant {
     return fmt::format("{} chunk {} dropout {} {}{}", attention, chunk_tokens, dropout,
                        precision_name(precision), qlora ? " nf4" : "");
   }
+  // A checkpointed run with this variant's settings.
+  RunConfig run() const {
+    RunConfig r = checkpointed_run();
+    r.attn_implementation = attention;
+    r.mlp_chunk_tokens = chunk_tokens;
+    r.lora_dropout = dropout;
+    r.precision = precision;
+    r.load_in_4bit = qlora;
+    return r;
+  }
 };
 
 const std::vector<Variant>& variants() {
@@ -212,12 +222,7 @@ TEST(Offload, OffloadedStepsAreBitIdenticalToPlainCheckpointedSteps) {
   const LlamaConfig model = four_layer_model();
   for (const Variant& v : variants()) {
     SCOPED_TRACE(v.name());
-    RunConfig run = checkpointed_run();
-    run.attn_implementation = v.attention;
-    run.mlp_chunk_tokens = v.chunk_tokens;
-    run.lora_dropout = v.dropout;
-    run.precision = v.precision;
-    run.load_in_4bit = v.qlora;
+    RunConfig run = v.run();
     auto cpu = make_cpu_backend();
     const StepsResult plain = two_steps(*cpu, run, model);
     run.offload_activations = true;
@@ -238,12 +243,7 @@ TEST(Offload, TheStepWaitsForEveryCopyBeforeItOverwritesOrReadsASlot) {
   const LlamaConfig model = four_layer_model();
   for (const Variant& v : variants()) {
     SCOPED_TRACE(v.name());
-    RunConfig run = checkpointed_run();
-    run.attn_implementation = v.attention;
-    run.mlp_chunk_tokens = v.chunk_tokens;
-    run.lora_dropout = v.dropout;
-    run.precision = v.precision;
-    run.load_in_4bit = v.qlora;
+    RunConfig run = v.run();
     auto cpu = make_cpu_backend();
     const StepsResult plain = two_steps(*cpu, run, model);
     run.offload_activations = true;

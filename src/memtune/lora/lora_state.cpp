@@ -17,6 +17,32 @@ Tensor flat_view(const Tensor& flat, int64_t offset, Shape shape) {
   return t;
 }
 
+// The 16-bit copies of A and B that the step multiplies with (the fp32 masters themselves in fp32).
+void allocate_compute_copies(Memory& memory, const LoraSpec& spec, LoraTensors& t, DType compute_dtype) {
+  if (compute_dtype == DType::f32) {
+    t.a_compute = t.a;
+    t.b_compute = t.b;
+    return;
+  }
+  t.a_compute = memory.alloc(spec.a_key + ".compute", MemCategory::adapters, compute_dtype, spec.a_shape);
+  t.b_compute = memory.alloc(spec.b_key + ".compute", MemCategory::adapters, compute_dtype, spec.b_shape);
+}
+
+// AdamW's two fp32 moments of every A and B, after all the adapters and grads.
+void allocate_moments(Memory& memory, const std::vector<LoraSpec>& specs, std::vector<LoraTensors>& tensors) {
+  for (size_t i = 0; i < specs.size(); ++i) {
+    const LoraSpec& spec = specs[i];
+    LoraTensors& t = tensors[i];
+    const auto moment = [&](const std::string& key, const char* which, Shape shape) {
+      return memory.alloc(key + which, MemCategory::optimizer_state, DType::f32, shape);
+    };
+    t.exp_avg_a = moment(spec.a_key, ".exp_avg", spec.a_shape);
+    t.exp_avg_sq_a = moment(spec.a_key, ".exp_avg_sq", spec.a_shape);
+    t.exp_avg_b = moment(spec.b_key, ".exp_avg", spec.b_shape);
+    t.exp_avg_sq_b = moment(spec.b_key, ".exp_avg_sq", spec.b_shape);
+  }
+}
+
 }  // namespace
 
 int64_t LoraState::flat_offset(const Tensor& view) const {
@@ -46,15 +72,7 @@ LoraState LoraState::allocate(Memory& memory, const LlamaConfig& model, const Lo
         static_cast<int>(i);
     t.a = memory.alloc(spec.a_key, MemCategory::adapters, DType::f32, spec.a_shape);
     t.b = memory.alloc(spec.b_key, MemCategory::adapters, DType::f32, spec.b_shape);
-    if (compute_dtype == DType::f32) {
-      t.a_compute = t.a;
-      t.b_compute = t.b;
-    } else {
-      t.a_compute = memory.alloc(spec.a_key + ".compute", MemCategory::adapters, compute_dtype,
-                                 spec.a_shape);
-      t.b_compute = memory.alloc(spec.b_key + ".compute", MemCategory::adapters, compute_dtype,
-                                 spec.b_shape);
-    }
+    allocate_compute_copies(memory, spec, t, compute_dtype);
   }
   for (size_t i = 0; i < state.specs_.size(); ++i) {
     const LoraSpec& spec = state.specs_[i];
@@ -64,19 +82,7 @@ LoraState LoraState::allocate(Memory& memory, const LlamaConfig& model, const Lo
     t.grad_b = memory.alloc(spec.b_key + ".grad", MemCategory::adapter_grads, DType::f32,
                             spec.b_shape);
   }
-  if (with_optimizer) {
-    for (size_t i = 0; i < state.specs_.size(); ++i) {
-      const LoraSpec& spec = state.specs_[i];
-      LoraTensors& t = state.tensors_[i];
-      const auto moment = [&](const std::string& key, const char* which, Shape shape) {
-        return memory.alloc(key + which, MemCategory::optimizer_state, DType::f32, shape);
-      };
-      t.exp_avg_a = moment(spec.a_key, ".exp_avg", spec.a_shape);
-      t.exp_avg_sq_a = moment(spec.a_key, ".exp_avg_sq", spec.a_shape);
-      t.exp_avg_b = moment(spec.b_key, ".exp_avg", spec.b_shape);
-      t.exp_avg_sq_b = moment(spec.b_key, ".exp_avg_sq", spec.b_shape);
-    }
-  }
+  if (with_optimizer) allocate_moments(memory, state.specs_, state.tensors_);
   return state;
 }
 
@@ -104,13 +110,7 @@ LoraState LoraState::allocate_flat(LoraState& state, Memory& memory, DType compu
   for (size_t i = 0; i < state.specs_.size(); ++i) {
     const LoraSpec& spec = state.specs_[i];
     LoraTensors& t = state.tensors_[i];
-    if (compute_dtype == DType::f32) {
-      t.a_compute = t.a;
-      t.b_compute = t.b;
-    } else {
-      t.a_compute = memory.alloc(spec.a_key + ".compute", MemCategory::adapters, compute_dtype, spec.a_shape);
-      t.b_compute = memory.alloc(spec.b_key + ".compute", MemCategory::adapters, compute_dtype, spec.b_shape);
-    }
+    allocate_compute_copies(memory, spec, t, compute_dtype);
   }
   state.flat_grads_ = memory.alloc("lora.flat_grads", MemCategory::adapter_grads, DType::f32, Shape{padded});
   for (size_t i = 0; i < state.specs_.size(); ++i) {
@@ -118,19 +118,7 @@ LoraState LoraState::allocate_flat(LoraState& state, Memory& memory, DType compu
     t.grad_a = flat_view(state.flat_grads_, offsets[i].first, state.specs_[i].a_shape);
     t.grad_b = flat_view(state.flat_grads_, offsets[i].second, state.specs_[i].b_shape);
   }
-  if (with_optimizer) {
-    for (size_t i = 0; i < state.specs_.size(); ++i) {
-      const LoraSpec& spec = state.specs_[i];
-      LoraTensors& t = state.tensors_[i];
-      const auto moment = [&](const std::string& key, const char* which, Shape shape) {
-        return memory.alloc(key + which, MemCategory::optimizer_state, DType::f32, shape);
-      };
-      t.exp_avg_a = moment(spec.a_key, ".exp_avg", spec.a_shape);
-      t.exp_avg_sq_a = moment(spec.a_key, ".exp_avg_sq", spec.a_shape);
-      t.exp_avg_b = moment(spec.b_key, ".exp_avg", spec.b_shape);
-      t.exp_avg_sq_b = moment(spec.b_key, ".exp_avg_sq", spec.b_shape);
-    }
-  }
+  if (with_optimizer) allocate_moments(memory, state.specs_, state.tensors_);
   return std::move(state);
 }
 

@@ -217,29 +217,9 @@ void LlamaStep::linear_backward(int layer, Projection p, const Tensor& dy, const
   memory_.free(du);
 }
 
-Tensor LlamaStep::layer_forward(int layer, LayerState& s, bool recompute, uint64_t dropout_seed,
-                                bool training, const Tensor* out_slot) {
-  const int64_t chunk_rows = token_chunk_rows(training);
-  if (chunk_rows > 0)
-    return layer_forward_chunked(layer, s, recompute, dropout_seed, training, chunk_rows, out_slot);
-  const MemCategory keep = training ? saved_category(recompute) : MemCategory::transient_activations;
-  const LayerWeights& w = weights_.layers[layer];
-  LayerActs& a = s.acts;
-  auto act = [&](Act id) -> Tensor& { return a[static_cast<int>(id)]; };
-  auto lora_u = [&](Projection p) { return training ? &s.lora_u[static_cast<int>(p)] : nullptr; };
-  const float eps = static_cast<float>(config_.rms_norm_eps);
+void LlamaStep::attention_forward(int layer, LayerState& s, MemCategory keep) {
+  auto act = [&](Act id) -> Tensor& { return s.acts[static_cast<int>(id)]; };
   const AttentionDims dims = attention_dims();
-
-  act(Act::norm1_out) = alloc_act(Act::norm1_out, layer, keep);
-  act(Act::norm1_rstd) = alloc_act(Act::norm1_rstd, layer, keep);
-  backend_.rmsnorm_forward(act(Act::norm1_out), act(Act::norm1_rstd), act(Act::layer_input),
-                           w.input_norm, eps);
-  act(Act::q) = alloc_act(Act::q, layer, keep);
-  act(Act::k) = alloc_act(Act::k, layer, keep);
-  act(Act::v) = alloc_act(Act::v, layer, keep);
-  linear_forward(layer, Projection::q, act(Act::norm1_out), 0, act(Act::q), lora_u(Projection::q), keep, dropout_seed, training);
-  linear_forward(layer, Projection::k, act(Act::norm1_out), 0, act(Act::k), lora_u(Projection::k), keep, dropout_seed, training);
-  linear_forward(layer, Projection::v, act(Act::norm1_out), 0, act(Act::v), lora_u(Projection::v), keep, dropout_seed, training);
   backend_.rope_forward(act(Act::q), batch_.positions, inv_freq_, config_.head_dim);
   backend_.rope_forward(act(Act::k), batch_.positions, inv_freq_, config_.head_dim);
 
@@ -257,6 +237,31 @@ Tensor LlamaStep::layer_forward(int layer, LayerState& s, bool recompute, uint64
     backend_.attention_flash_forward(act(Act::attn_out), act(Act::attn_lse), act(Act::q),
                                      act(Act::k), act(Act::v), batch_.segments, dims);
   }
+}
+
+Tensor LlamaStep::layer_forward(int layer, LayerState& s, bool recompute, uint64_t dropout_seed,
+                                bool training, const Tensor* out_slot) {
+  const int64_t chunk_rows = token_chunk_rows(training);
+  if (chunk_rows > 0)
+    return layer_forward_chunked(layer, s, recompute, dropout_seed, training, chunk_rows, out_slot);
+  const MemCategory keep = training ? saved_category(recompute) : MemCategory::transient_activations;
+  const LayerWeights& w = weights_.layers[layer];
+  LayerActs& a = s.acts;
+  auto act = [&](Act id) -> Tensor& { return a[static_cast<int>(id)]; };
+  auto lora_u = [&](Projection p) { return training ? &s.lora_u[static_cast<int>(p)] : nullptr; };
+  const float eps = static_cast<float>(config_.rms_norm_eps);
+
+  act(Act::norm1_out) = alloc_act(Act::norm1_out, layer, keep);
+  act(Act::norm1_rstd) = alloc_act(Act::norm1_rstd, layer, keep);
+  backend_.rmsnorm_forward(act(Act::norm1_out), act(Act::norm1_rstd), act(Act::layer_input),
+                           w.input_norm, eps);
+  act(Act::q) = alloc_act(Act::q, layer, keep);
+  act(Act::k) = alloc_act(Act::k, layer, keep);
+  act(Act::v) = alloc_act(Act::v, layer, keep);
+  linear_forward(layer, Projection::q, act(Act::norm1_out), 0, act(Act::q), lora_u(Projection::q), keep, dropout_seed, training);
+  linear_forward(layer, Projection::k, act(Act::norm1_out), 0, act(Act::k), lora_u(Projection::k), keep, dropout_seed, training);
+  linear_forward(layer, Projection::v, act(Act::norm1_out), 0, act(Act::v), lora_u(Projection::v), keep, dropout_seed, training);
+  attention_forward(layer, s, keep);
   act(Act::mid) = alloc_act(Act::mid, layer, keep);
   linear_forward(layer, Projection::o, act(Act::attn_out), 0, act(Act::mid), lora_u(Projection::o), keep, dropout_seed, training);
   backend_.add(act(Act::mid), act(Act::mid), act(Act::layer_input));
@@ -286,7 +291,6 @@ Tensor LlamaStep::layer_forward_chunked(int layer, LayerState& s, bool recompute
   auto act = [&](Act id) -> Tensor& { return s.acts[static_cast<int>(id)]; };
   const Tensor& x = act(Act::layer_input);
   const float eps = static_cast<float>(config_.rms_norm_eps);
-  const AttentionDims dims = attention_dims();
 
   act(Act::q) = alloc_act(Act::q, layer, keep);
   act(Act::k) = alloc_act(Act::k, layer, keep);
@@ -306,23 +310,7 @@ Tensor LlamaStep::layer_forward_chunked(int layer, LayerState& s, bool recompute
     }
     free_layer(chunk, /*keep_input=*/false);
   }
-  backend_.rope_forward(act(Act::q), batch_.positions, inv_freq_, config_.head_dim);
-  backend_.rope_forward(act(Act::k), batch_.positions, inv_freq_, config_.head_dim);
-
-  act(Act::attn_out) = alloc_act(Act::attn_out, layer, keep);
-  if (options_.attention == AttentionImpl::eager) {
-    act(Act::attn_probs) = alloc_act(Act::attn_probs, layer, keep);
-    Tensor scores = memory_.alloc(fmt::format("layers.{}.attn_scores", layer),
-                                  MemCategory::attention_scratch, options_.compute_dtype,
-                                  act(Act::attn_probs).shape);
-    backend_.attention_eager_forward(act(Act::attn_out), act(Act::attn_probs), scores, act(Act::q),
-                                     act(Act::k), act(Act::v), batch_.segments, dims);
-    memory_.free(scores);
-  } else {
-    act(Act::attn_lse) = alloc_act(Act::attn_lse, layer, keep);
-    backend_.attention_flash_forward(act(Act::attn_out), act(Act::attn_lse), act(Act::q),
-                                     act(Act::k), act(Act::v), batch_.segments, dims);
-  }
+  attention_forward(layer, s, keep);
   // The backward recomputes the o projection, norm2 and the MLP chunk by chunk.
   if (recompute) return Tensor{};
 

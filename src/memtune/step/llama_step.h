@@ -117,6 +117,9 @@ class LlamaStep {
   Tensor layer_forward_chunked(int layer, LayerState& state, bool recompute,
                                uint64_t dropout_seed, bool training, int64_t chunk_rows,
                                const Tensor* out_slot);
+  // RoPE on state's q and k, then the attention op into attn_out (and its probs or lse), kept
+  // in `keep`: the part of a layer that spans the sequence, chunked or not.
+  void attention_forward(int layer, LayerState& state, MemCategory keep);
   void layer_backward(int layer, LayerState& state, const Tensor& d_resid, uint64_t dropout_seed);
   void layer_backward_chunked(int layer, LayerState& state, const Tensor& d_resid,
                               uint64_t dropout_seed, int64_t chunk_rows);
