@@ -15,6 +15,8 @@
 #include "memtune/train/engine_arena.h"
 #include "engine_test_util.h"
 #include "memtune/train/yaml_config.h"
+#include "memtune/plan/fit.h"
+#include "memtune/train/engine.h"
 
 using namespace memtune;
 
@@ -182,9 +184,9 @@ TEST(MlpChunking, ChunkingShrinksThePlanWhereTheMlpDominates) {
 
 TEST(MlpChunking, OptionIsValidatedAndReadFromYaml) {
   RunConfig run;
-  EXPECT_EQ(run.mlp_chunk_tokens, 1024);
-  EXPECT_EQ(run.step_options().mlp_chunk_tokens, 1024);
-  run.mlp_chunk_tokens = -1;
+  EXPECT_EQ(run.mlp_chunk_tokens, RunConfig::kAutoTokenChunks);
+  run.validate();
+  run.mlp_chunk_tokens = -2;
   EXPECT_THROW(run.validate(), memtune::Error);
   const std::filesystem::path yaml = std::filesystem::path(MEMTUNE_BINARY_DIR) / "test_mlp_chunk_tokens.yaml";
   std::ofstream(yaml) << "gradient_checkpointing: true\nmlp_chunk_tokens: 0\n";
@@ -192,6 +194,59 @@ TEST(MlpChunking, OptionIsValidatedAndReadFromYaml) {
   apply_run_yaml(yaml, from_yaml);
   EXPECT_EQ(from_yaml.mlp_chunk_tokens, 0);
   EXPECT_EQ(from_yaml.step_options().mlp_chunk_tokens, 0);
+}
+
+// Auto chunks only a micro-batch of more than kAutoChunkRows tokens, in chunks of that size;
+// an explicit value (0 too) is kept as given.
+TEST(MlpChunking, AutoChunksOnlyLargeMicroBatches) {
+  RunConfig run;
+  run.per_device_train_batch_size = 2;
+  run.max_seq_length = 2048;
+  EXPECT_EQ(run.step_options().mlp_chunk_tokens, 0);
+  run.max_seq_length = 2049;
+  EXPECT_EQ(run.step_options().mlp_chunk_tokens, RunConfig::kAutoChunkRows);
+  run.per_device_train_batch_size = 1;
+  run.max_seq_length = 131072;
+  EXPECT_EQ(run.step_options().mlp_chunk_tokens, RunConfig::kAutoChunkRows);
+  run.mlp_chunk_tokens = 0;
+  EXPECT_EQ(run.step_options().mlp_chunk_tokens, 0);
+  run.mlp_chunk_tokens = 512;
+  EXPECT_EQ(run.step_options().mlp_chunk_tokens, 512);
+}
+
+// Under a budget, auto shrinks the chunks until the plan fits, and only as far as needed.
+TEST(MlpChunking, FitTokenChunksShrinksChunksToTheBudget) {
+  RunConfig run;
+  run.model = "tiny";
+  run.gradient_checkpointing = true;
+  run.attn_implementation = "flash";     // no S x S scratch and no full logits: the layer's
+  run.loss_implementation = "chunked";   // row-wise working set is then the peak
+  run.per_device_train_batch_size = 4;
+  run.max_seq_length = 512;
+  const LlamaConfig model = resolve_model(run.model).config;
+  RunConfig whole = run, chunked = run;
+  whole.mlp_chunk_tokens = 0;
+  chunked.mlp_chunk_tokens = 256;
+  const uint64_t whole_bytes = plan_run(whole, model).arena_bytes;
+  const uint64_t chunked_bytes = plan_run(chunked, model).arena_bytes;
+  ASSERT_LT(chunked_bytes, whole_bytes);
+
+  RunConfig roomy = run;
+  EXPECT_TRUE(fit_token_chunks(roomy, model, whole_bytes, 0));
+  EXPECT_EQ(roomy.mlp_chunk_tokens, 0);  // room for no chunks: none
+
+  RunConfig tight = run;
+  EXPECT_TRUE(fit_token_chunks(tight, model, chunked_bytes, 0));
+  EXPECT_GT(tight.mlp_chunk_tokens, 0);  // no chunks do not fit: some chunk size was chosen
+  EXPECT_LE(plan_run(tight, model).arena_bytes, chunked_bytes);
+
+  RunConfig hopeless = run;
+  EXPECT_FALSE(fit_token_chunks(hopeless, model, chunked_bytes / 4, 0));
+
+  RunConfig explicit_whole = run;
+  explicit_whole.mlp_chunk_tokens = 0;
+  EXPECT_FALSE(fit_token_chunks(explicit_whole, model, chunked_bytes, 0));
+  EXPECT_EQ(explicit_whole.mlp_chunk_tokens, 0);  // an explicit value is never changed
 }
 
 }  // namespace

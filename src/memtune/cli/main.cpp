@@ -434,6 +434,10 @@ int run_cli(int argc, char** argv) {
   const ModelSource source = resolve_model(run.model);
   const LlamaConfig& model = source.config;
 
+  // Under --vram, an auto token-chunk size becomes the largest that fits (fit.h).
+  if (!vram.empty() && (plan_cmd->parsed() || train_cmd->parsed()))
+    fit_token_chunks(run, model, parse_bytes(vram), 0, launch_env_from_process().world_size);
+
   if (plan_cmd->parsed()) {
     const Plan plan = plan_run(run, model);
     if (json) std::cout << plan_json(plan, run, model).dump(2) << "\n";

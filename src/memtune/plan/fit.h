@@ -20,6 +20,13 @@ struct FitResult {
 FitResult fit_run(const RunConfig& base, const LlamaConfig& model, uint64_t budget_bytes,
                   uint64_t context_bytes);
 
+// Under a budget, an auto mlp_chunk_tokens (RunConfig::kAutoTokenChunks) becomes the largest
+// token chunk whose plan plus the context fits: the auto default first, then 2048, 1024, 512 and
+// 256 rows (smaller chunks cost speed, bench/NOTES.md). An explicit value is kept. Returns
+// whether the run, as it now is, fits; `run` is left at the smallest chunk tried when none does.
+bool fit_token_chunks(RunConfig& run, const LlamaConfig& model, uint64_t budget_bytes,
+                      uint64_t context_bytes, int world_size = 1);
+
 // ---- fit --max-context ----
 // The longest max_seq_length at micro-batch 1 whose plan plus the context fits the budget, with
 // the full memory stack: bf16 (fp16 when asked), flash attention, chunked loss, gradient

@@ -34,7 +34,8 @@ void RunConfig::validate() const {
   MT_USER_CHECK(gradient_accumulation_steps > 0, "gradient_accumulation_steps must be >= 1");
   MT_USER_CHECK(max_seq_length > 1, "max_seq_length must be >= 2 (a token and its next token)");
   MT_USER_CHECK(loss_chunk_tokens > 0, "loss_chunk_tokens must be >= 1");
-  MT_USER_CHECK(mlp_chunk_tokens >= 0, "mlp_chunk_tokens must be >= 0 (0: no chunking)");
+  MT_USER_CHECK(mlp_chunk_tokens >= 0 || mlp_chunk_tokens == kAutoTokenChunks,
+                "mlp_chunk_tokens must be >= 0 (0: no chunking) or -1 (auto)");
   MT_USER_CHECK(!offload_activations || gradient_checkpointing,
                 "offload_activations needs gradient_checkpointing: it offloads the layer inputs that "
                 "checkpointing saves (add --gradient_checkpointing)");
@@ -74,11 +75,16 @@ StepOptions RunConfig::step_options() const {
   o.loss = loss_implementation == "chunked" ? LossImpl::chunked : LossImpl::full;
   o.loss_chunk_tokens = loss_chunk_tokens;
   o.gradient_checkpointing = gradient_checkpointing;
-  o.mlp_chunk_tokens = mlp_chunk_tokens;
+  o.mlp_chunk_tokens = resolved_token_chunk_rows();
   o.offload_activations = offload_activations;
   o.micro_batch = per_device_train_batch_size;
   o.seq = max_seq_length;
   return o;
+}
+
+int64_t RunConfig::resolved_token_chunk_rows() const {
+  if (mlp_chunk_tokens != kAutoTokenChunks) return mlp_chunk_tokens;
+  return per_device_train_batch_size * max_seq_length > kAutoChunkRows ? kAutoChunkRows : 0;
 }
 
 LoraConfig RunConfig::lora_config() const {

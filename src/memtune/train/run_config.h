@@ -27,9 +27,11 @@ struct RunConfig {
   bool gradient_checkpointing = false;
   // Token rows per chunk of a layer's row-wise parts (norms, projections, LoRA, MLP) where its
   // activations are not saved (with checkpointing the backward recomputes them chunk by chunk;
-  // eval); 0 = no chunking. Same math (LoRA dropout too). The name is from when only the MLP was
-  // chunked; it is kept for the configs that use it.
-  int64_t mlp_chunk_tokens = 1024;
+  // eval); 0 = no chunking, kAutoTokenChunks = chosen by resolved_token_chunk_rows() (and, under
+  // a --vram budget, by fit_token_chunks). Same math (LoRA dropout too). The name is from when
+  // only the MLP was chunked; it is kept for the configs that use it.
+  static constexpr int64_t kAutoTokenChunks = -1;
+  int64_t mlp_chunk_tokens = kAutoTokenChunks;
   // Offload the checkpointed layer inputs to pinned host memory between forward and backward,
   // on a copy stream overlapped with compute (needs gradient_checkpointing).
   bool offload_activations = false;
@@ -62,6 +64,13 @@ struct RunConfig {
   std::string bnb_4bit_compute_dtype;  // "" = the run's precision
 
   // Resolved from the above; throws memtune::Error on contradictions.
+  // mlp_chunk_tokens with auto resolved. Chunks cost speed, not memory: each chunk re-runs the
+  // LoRA GEMMs at fewer rows and dequantizes a 4-bit base once more (measured: 1024-row chunks
+  // cost 16% of tokens/s at 2 x 2048, bench/NOTES.md). So auto chunks only a micro-batch of more
+  // than kAutoChunkRows tokens, in chunks of kAutoChunkRows, where the GEMMs are full-sized; a
+  // budget that needs smaller chunks gets them from fit_token_chunks.
+  static constexpr int64_t kAutoChunkRows = 4096;
+  int64_t resolved_token_chunk_rows() const;
   StepOptions step_options() const;
   LoraConfig lora_config() const;
   void validate() const;
