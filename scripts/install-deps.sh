@@ -13,3 +13,5 @@ if [ ${#missing[@]} -gt 0 ]; then
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
+# The cuDNN frontend headers (cuDNN attention backend); a failed fetch only warns.
+bash scripts/fetch-cudnn-frontend.sh || echo "warning: cudnn frontend fetch failed; building without it" >&2

@@ -142,3 +142,11 @@ void Backend::fill_random(const Tensor& dst, Distribution distribution, float a,
 }
 
 }  // namespace memtune
+
+#ifndef MEMTUNE_WITH_CUDA
+namespace memtune {
+// A build without the CUDA backend has no cuDNN attention (ops/cuda/attention_cudnn.cpp defines it
+// otherwise).
+bool cudnn_attention_available() { return false; }
+}  // namespace memtune
+#endif

@@ -31,6 +31,23 @@ struct AttentionDims {
   int64_t group() const { return n_heads / n_kv_heads; }  // query heads per kv head (GQA)
 };
 
+// The f32 scratch the step plans for the cuDNN attention op (Backend::attention_cudnn_*). Measured
+// on the H200 with cuDNN 9.14 (tests/gpu/test_cuda_attention_cudnn.cpp prints them): the backward
+// wants 2 x 4 * batch * n_heads * seq * head_dim (its dq accumulator, twice the flash one) + 4 *
+// batch * n_heads * seq (a row statistic) + 256 bytes; 539 MB at b8 s2048 32 heads d128, 135 MB
+// at the ladder's b2. The bound takes seq padded to 128, two row statistics and 1 MiB on top; it
+// is at least the flash dq accumulator, so the packed-rows fallback fits in it too. The forward
+// wants 256 bytes; its bound is one f32 per query row plus 4 KiB. A graph that wants more than
+// planned fails with a clear error rather than allocating.
+inline int64_t cudnn_attention_workspace_floats(const AttentionDims& d, bool backward) {
+  if (!backward) return d.batch * d.n_heads * d.seq + 1024;
+  const int64_t rows = d.batch * d.n_heads * ((d.seq + 127) / 128 * 128);
+  return rows * (2 * d.head_dim + 2) + (int64_t{1} << 18);
+}
+
+// True when this build has cuDNN attention and the loaded libcudnn (9.x) and the GPU can run it.
+bool cudnn_attention_available();
+
 struct AdamWParams {
   float lr = 1e-3f, beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f, weight_decay = 1e-2f;
   int64_t step = 1;          // 1-based, after increment (torch semantics, SPECS.md §8)
@@ -171,6 +188,36 @@ class Backend {
                                         const Tensor& out, const Tensor& lse, const Tensor& q,
                                         const Tensor& k, const Tensor& v, const Tensor& segments,
                                         const AttentionDims& dims) = 0;
+
+  // cuDNN fused attention (--attn_implementation cudnn; ops/cuda/attention_cudnn.h): the flash
+  // contract (same inputs, saved out and lse, causal, GQA), for batches whose rows each hold one
+  // sample (the step runs flash for packed rows). workspace: f32 planned scratch of at least
+  // cudnn_attention_workspace_floats(dims, backward) elements; an implementation that needs more
+  // fails. Backends without cuDNN run their flash op (the backward using delta_scratch and the
+  // first N * n_heads * head_dim floats of the workspace as its dq accumulator).
+  virtual void attention_cudnn_forward(const Tensor& out, const Tensor& lse, const Tensor& q,
+                                       const Tensor& k, const Tensor& v, const Tensor& segments,
+                                       const Tensor& workspace, const AttentionDims& dims) {
+    (void)workspace;
+    attention_flash_forward(out, lse, q, k, v, segments, dims);
+  }
+  virtual void attention_cudnn_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv,
+                                        const Tensor& delta_scratch, const Tensor& workspace,
+                                        const Tensor& d_out, const Tensor& out, const Tensor& lse,
+                                        const Tensor& q, const Tensor& k, const Tensor& v,
+                                        const Tensor& segments, const AttentionDims& dims) {
+    attention_flash_backward(dq, dk, dv, delta_scratch, cudnn_dq_accum_view(workspace, q), d_out,
+                             out, lse, q, k, v, segments, dims);
+  }
+  // The flash backward's dq accumulator inside a cuDNN workspace (the packed-rows fallback).
+  static Tensor cudnn_dq_accum_view(const Tensor& workspace, const Tensor& q) {
+    Tensor t = workspace;
+    t.dtype = DType::f32;
+    t.shape = q.shape;
+    MT_ASSERT(workspace.dtype == DType::f32 && workspace.numel() >= q.numel(),
+              "cuDNN attention workspace {} smaller than q {}", workspace.shape.str(), q.shape.str());
+    return t;
+  }
 
   // ---- attention_decode (generation) ----
   // One new query per sequence against that sequence's KV cache. q, out [batch, n_heads *

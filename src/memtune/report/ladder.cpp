@@ -120,10 +120,17 @@ nlohmann::json run_ladder(const LadderOptions& options) {
     return &entries.back().rung;
   };
   add(base, "fp16 baseline", "", "rungs");
+  MT_USER_CHECK(options.flash_backend == "flash" || options.flash_backend == "cudnn",
+                "--flash-backend {}: expected flash or cudnn", options.flash_backend);
+  // The flash trick with the fused backend asked for (the rung keeps its name).
+  const auto apply = [&](const Trick& t, RunConfig& r) {
+    t.apply(r);
+    if (r.attn_implementation == "flash") r.attn_implementation = options.flash_backend;
+  };
   RunConfig stacked = base;
   for (const std::string& name : order) {
     const Trick& t = trick_named(name);
-    t.apply(stacked);
+    apply(t, stacked);
     add(stacked, t.label, t.name, "rungs");
   }
   const size_t cumulative_count = entries.size();
@@ -131,14 +138,14 @@ nlohmann::json run_ladder(const LadderOptions& options) {
     for (const std::string& name : order) {
       const Trick& t = trick_named(name);
       RunConfig alone = base;
-      t.apply(alone);
+      apply(t, alone);
       add(alone, t.plain, t.name, "alone");
     }
     for (const std::string& name : order) {
       const Trick& t = trick_named(name);
       RunConfig without = base;
       for (const std::string& other : order)
-        if (other != name) trick_named(other).apply(without);
+        if (other != name) apply(trick_named(other), without);
       // A removed entry adds nothing to the baseline's list: "removed" says what it lacks.
       nlohmann::json* rung = add(without, t.plain, "", "removed");
       rung->erase("added");

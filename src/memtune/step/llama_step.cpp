@@ -20,6 +20,11 @@ LlamaStep::LlamaStep(Backend& backend, Memory& memory, const LlamaConfig& config
       lora_scale_(lora.config().scaling()),
       lora_dropout_(static_cast<float>(lora.config().dropout)) {
   MT_ASSERT(options.micro_batch > 0 && options.seq > 0);
+  MT_USER_CHECK(options.attention != AttentionImpl::cudnn || memory_.device() != Device::cuda ||
+                    cudnn_attention_available(),
+                "--attn_implementation cudnn: cuDNN attention is not available here (this build "
+                "has no cuDNN frontend, libcudnn is not 9.x, or the GPU is older than sm80); use "
+                "--attn_implementation flash");
   inv_freq_ = memory_.alloc("rope.inv_freq", MemCategory::workspace, DType::f32,
                             Shape{config.head_dim / 2});
   if (memory_.device() != Device::meta) {
@@ -232,6 +237,19 @@ void LlamaStep::attention_forward(int layer, LayerState& s, MemCategory keep) {
     backend_.attention_eager_forward(act(Act::attn_out), act(Act::attn_probs), scores, act(Act::q),
                                      act(Act::k), act(Act::v), batch_.segments, dims);
     memory_.free(scores);
+  } else if (options_.attention == AttentionImpl::cudnn) {
+    act(Act::attn_lse) = alloc_act(Act::attn_lse, layer, keep);
+    // Planned whatever the batch, so the arena is the same for packed and unpacked batches.
+    Tensor workspace = memory_.alloc(fmt::format("layers.{}.attn_cudnn_workspace", layer),
+                                     MemCategory::attention_scratch, DType::f32,
+                                     Shape{cudnn_attention_workspace_floats(dims, false)});
+    if (batch_.one_sample_per_row)
+      backend_.attention_cudnn_forward(act(Act::attn_out), act(Act::attn_lse), act(Act::q),
+                                       act(Act::k), act(Act::v), batch_.segments, workspace, dims);
+    else
+      backend_.attention_flash_forward(act(Act::attn_out), act(Act::attn_lse), act(Act::q),
+                                       act(Act::k), act(Act::v), batch_.segments, dims);
+    memory_.free(workspace);
   } else {
     act(Act::attn_lse) = alloc_act(Act::attn_lse, layer, keep);
     backend_.attention_flash_forward(act(Act::attn_out), act(Act::attn_lse), act(Act::q),
@@ -388,6 +406,24 @@ void LlamaStep::attention_backward(int layer, LayerState& s, const Tensor& d_att
     backend_.attention_eager_backward(dq, dk, dv, dprobs, d_attn, act(Act::attn_probs), act(Act::q),
                                       act(Act::k), act(Act::v), batch_.segments, dims);
     memory_.free(dprobs);
+  } else if (options_.attention == AttentionImpl::cudnn) {
+    Tensor delta = memory_.alloc(prefix + "attn_delta", MemCategory::attention_scratch, DType::f32,
+                                 act(Act::attn_lse).shape);
+    // cuDNN's workspace; its first N * n_heads * head_dim floats are the flash dq accumulator
+    // for packed batches.
+    Tensor workspace = memory_.alloc(prefix + "attn_cudnn_workspace", MemCategory::attention_scratch,
+                                     DType::f32, Shape{cudnn_attention_workspace_floats(dims, true)});
+    if (batch_.one_sample_per_row)
+      backend_.attention_cudnn_backward(dq, dk, dv, delta, workspace, d_attn, act(Act::attn_out),
+                                        act(Act::attn_lse), act(Act::q), act(Act::k), act(Act::v),
+                                        batch_.segments, dims);
+    else
+      backend_.attention_flash_backward(dq, dk, dv, delta,
+                                        Backend::cudnn_dq_accum_view(workspace, act(Act::q)), d_attn,
+                                        act(Act::attn_out), act(Act::attn_lse), act(Act::q),
+                                        act(Act::k), act(Act::v), batch_.segments, dims);
+    memory_.free(workspace);
+    memory_.free(delta);
   } else {
     Tensor delta = memory_.alloc(prefix + "attn_delta", MemCategory::attention_scratch, DType::f32,
                                  act(Act::attn_lse).shape);

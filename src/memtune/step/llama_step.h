@@ -47,7 +47,9 @@
 
 namespace memtune {
 
-enum class AttentionImpl : uint8_t { eager, flash };
+// cudnn: cuDNN's fused SDPA (ops/cuda/attention_cudnn.h), the same memory as flash; batches with
+// several samples in a row run the flash op instead (see MicroBatchBuffers::one_sample_per_row).
+enum class AttentionImpl : uint8_t { eager, flash, cudnn };
 enum class LossImpl : uint8_t { full, chunked };
 
 struct StepOptions {
@@ -71,6 +73,10 @@ struct MicroBatchBuffers {
   Tensor targets;    // i32 [N]: the label of the NEXT position (-100 = ignored)
   Tensor positions;  // i32 [N]: rope positions (reset at packed-sample boundaries)
   Tensor segments;   // i32 [N]: packed-sample id per token
+  // Host-side: every row holds one sample, followed at most by tokens no target reads (padding).
+  // Then causal masking alone is exact and AttentionImpl::cudnn runs cuDNN; else it runs flash,
+  // whose mask knows the segments. Engine::upload sets it; false is always safe.
+  bool one_sample_per_row = false;
 };
 
 class LlamaStep {
@@ -85,6 +91,7 @@ class LlamaStep {
   static constexpr int kOffloadSlots = 2;
 
   const MicroBatchBuffers& batch() const { return batch_; }
+  void set_one_sample_per_row(bool value) { batch_.one_sample_per_row = value; }
   // Forward, loss and backward of one micro-batch. Adds the loss sum (sum of token losses) to
   // loss_sum() and adds d(loss_grad_scale * loss_sum)/d(adapter) to the adapter grads.
   void forward_backward(float loss_grad_scale, uint64_t dropout_seed);

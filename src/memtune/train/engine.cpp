@@ -225,6 +225,23 @@ nlohmann::json Engine::load_checkpoint(const std::filesystem::path& requested) {
   return state;
 }
 
+namespace {
+// Whether causal masking alone is exact for this batch (MicroBatchBuffers::one_sample_per_row):
+// each row's first segment runs to the row's end, or whatever follows it has no target (padding,
+// which only later padding can see and whose gradient is zero).
+bool one_sample_per_row(const HostMicroBatch& batch, int64_t seq) {
+  const size_t n = batch.segments.size();
+  const size_t row = static_cast<size_t>(seq);
+  if (row == 0 || n % row != 0) return false;
+  for (size_t start = 0; start < n; start += row) {
+    const int32_t first = batch.segments[start];
+    for (size_t t = start; t < start + row; ++t)
+      if (batch.segments[t] != first && batch.targets[t] != -100) return false;
+  }
+  return true;
+}
+}  // namespace
+
 void Engine::upload(const HostMicroBatch& batch) {
   const MicroBatchBuffers& b = step_.batch();
   const size_t n = static_cast<size_t>(b.input_ids.numel());
@@ -240,6 +257,7 @@ void Engine::upload(const HostMicroBatch& batch) {
   backend_.copy_from_host(b.targets, batch.targets.data());
   backend_.copy_from_host(b.positions, batch.positions.data());
   backend_.copy_from_host(b.segments, batch.segments.data());
+  step_.set_one_sample_per_row(one_sample_per_row(batch, step_.options().seq));
 }
 
 StepReport Engine::train_step(const std::vector<HostMicroBatch>& micro_batches) {

@@ -75,6 +75,7 @@ class Engine {
   const LlamaConfig& model() const { return model_; }
   const RunConfig& run() const { return run_; }
   Backend& backend() { return backend_; }
+  const LlamaStep& step() const { return step_; }
   // ---- data parallel (dist/) ----
   int rank() const;
   int world_size() const;

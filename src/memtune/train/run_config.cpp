@@ -25,8 +25,9 @@ DType precision_dtype(Precision p) {
 
 void RunConfig::validate() const {
   MT_USER_CHECK(attn_implementation == "eager" || attn_implementation == "flash" ||
-                    attn_implementation == "flash_attention_2" || attn_implementation == "sdpa",
-                "attn_implementation '{}' is not one of eager, flash (flash_attention_2)",
+                    attn_implementation == "flash_attention_2" || attn_implementation == "sdpa" ||
+                    attn_implementation == "cudnn",
+                "attn_implementation '{}' is not one of eager, flash (flash_attention_2), cudnn",
                 attn_implementation);
   MT_USER_CHECK(loss_implementation == "full" || loss_implementation == "chunked",
                 "loss_implementation '{}' is not one of full, chunked", loss_implementation);
@@ -71,7 +72,9 @@ StepOptions RunConfig::step_options() const {
   validate();
   StepOptions o;
   o.compute_dtype = precision_dtype(precision);
-  o.attention = attn_implementation == "eager" ? AttentionImpl::eager : AttentionImpl::flash;
+  o.attention = attn_implementation == "eager"   ? AttentionImpl::eager
+                : attn_implementation == "cudnn" ? AttentionImpl::cudnn
+                                                 : AttentionImpl::flash;
   o.loss = loss_implementation == "chunked" ? LossImpl::chunked : LossImpl::full;
   o.loss_chunk_tokens = loss_chunk_tokens;
   o.gradient_checkpointing = gradient_checkpointing;

@@ -19,7 +19,7 @@ DType precision_dtype(Precision p);
 struct RunConfig {
   std::string model = "tiny";  // preset, folder with config.json, or config .json
   Precision precision = Precision::fp32;
-  std::string attn_implementation = "eager";  // eager | flash (alias: flash_attention_2, sdpa)
+  std::string attn_implementation = "eager";  // eager | flash (alias: flash_attention_2, sdpa) | cudnn
   std::string loss_implementation = "full";   // full | chunked
   // 256 rows x a 128k vocabulary: 125 MiB of fp32 logits per chunk, small enough that the loss
   // is not the peak of an 8B QLoRA step at 2 x 2048, large enough for full-speed GEMMs.

@@ -529,6 +529,85 @@ void CudaBackend::attention_flash_backward(const Tensor& dq, const Tensor& dk, c
   cuda::attention_flash_backward(p, t, stream_);
 }
 
+cuda::CudnnAttention& CudaBackend::cudnn() {
+  if (!cudnn_) cudnn_ = std::make_unique<cuda::CudnnAttention>();
+  return *cudnn_;
+}
+
+namespace {
+// One dtype for every tensor of the cuDNN graph (its io type), checked here so that a mixed call
+// says which tensor differs.
+DType cudnn_io_dtype(std::initializer_list<std::pair<const Tensor*, const char*>> tensors) {
+  const DType d = tensors.begin()->first->dtype;
+  MT_USER_CHECK(d == DType::bf16 || d == DType::f16,
+                "cuDNN attention takes bf16 or f16 tensors, {} is {} (use --attn_implementation flash)",
+                tensors.begin()->second, dtype_name(d));
+  for (const auto& [t, name] : tensors)
+    MT_ASSERT(t->dtype == d, "cuDNN attention: {} is {}, q is {}", name, dtype_name(t->dtype),
+              dtype_name(d));
+  return d;
+}
+}  // namespace
+
+size_t CudaBackend::cudnn_attention_workspace_bytes(const AttentionDims& dims, DType dtype,
+                                                    bool backward) {
+  return cudnn().workspace_bytes(dims, dtype, backward);
+}
+
+void CudaBackend::attention_cudnn_forward(const Tensor& out, const Tensor& lse, const Tensor& q,
+                                          const Tensor& k, const Tensor& v,
+                                          const Tensor& segments, const Tensor& workspace,
+                                          const AttentionDims& dims) {
+  (void)attention_params(dims, q, k, v, segments);  // the shape checks
+  check_same_count(out, q, "attention_cudnn_forward out");
+  check_rows(lse, dims, "attention_cudnn_forward lse");
+  check_tensor(workspace, DType::f32, "attention_cudnn_forward workspace");
+  cuda::CudnnSdpaTensors t;
+  t.dtype = cudnn_io_dtype({{&q, "q"}, {&k, "k"}, {&v, "v"}, {&out, "out"}});
+  t.q = q.data;
+  t.k = k.data;
+  t.v = v.data;
+  t.out = out.data;
+  t.lse = lse.as<float>();
+  t.workspace = workspace.data;
+  t.workspace_bytes = workspace.nbytes();
+  if (!cudnn().forward(dims, t, stream_)) attention_flash_forward(out, lse, q, k, v, segments, dims);
+}
+
+void CudaBackend::attention_cudnn_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv,
+                                           const Tensor& delta_scratch, const Tensor& workspace,
+                                           const Tensor& d_out, const Tensor& out,
+                                           const Tensor& lse, const Tensor& q, const Tensor& k,
+                                           const Tensor& v, const Tensor& segments,
+                                           const AttentionDims& dims) {
+  (void)attention_params(dims, q, k, v, segments);
+  // delta_scratch: cuDNN keeps its row sums in its own workspace; only the flash fallback uses it.
+  check_same_count(dq, q, "attention_cudnn_backward dq");
+  check_same_count(d_out, q, "attention_cudnn_backward d_out");
+  check_same_count(out, q, "attention_cudnn_backward out");
+  check_same_count(dk, k, "attention_cudnn_backward dk");
+  check_same_count(dv, k, "attention_cudnn_backward dv");
+  check_rows(lse, dims, "attention_cudnn_backward lse");
+  check_tensor(workspace, DType::f32, "attention_cudnn_backward workspace");
+  cuda::CudnnSdpaTensors t;
+  t.dtype = cudnn_io_dtype({{&q, "q"}, {&k, "k"}, {&v, "v"}, {&out, "out"}, {&d_out, "d_out"},
+                            {&dq, "dq"}, {&dk, "dk"}, {&dv, "dv"}});
+  t.q = q.data;
+  t.k = k.data;
+  t.v = v.data;
+  t.out = out.data;
+  t.lse = lse.as<float>();
+  t.d_out = d_out.data;
+  t.dq = dq.data;
+  t.dk = dk.data;
+  t.dv = dv.data;
+  t.workspace = workspace.data;
+  t.workspace_bytes = workspace.nbytes();
+  if (!cudnn().backward(dims, t, stream_))  // a shape cuDNN has no engine for: the flash kernel
+    attention_flash_backward(dq, dk, dv, delta_scratch, cudnn_dq_accum_view(workspace, q), d_out,
+                             out, lse, q, k, v, segments, dims);
+}
+
 // ---- attention_decode (attention_decode.cu) ----
 void CudaBackend::attention_decode(const Tensor& out, const Tensor& q, const Tensor& k_cache,
                                    const Tensor& v_cache, const AttentionDims& dims) {

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "memtune/ops/backend.h"
+#include "memtune/ops/cuda/attention_cudnn.h"
 #include "memtune/ops/cuda/cuda_ops.h"
 
 namespace memtune {
@@ -90,6 +91,17 @@ class CudaBackend final : public Backend {
                                 const Tensor& d_out, const Tensor& out, const Tensor& lse,
                                 const Tensor& q, const Tensor& k, const Tensor& v,
                                 const Tensor& segments, const AttentionDims& dims) override;
+  // cuDNN fused attention (attention_cudnn.h); a clear error in a build without cuDNN.
+  void attention_cudnn_forward(const Tensor& out, const Tensor& lse, const Tensor& q,
+                               const Tensor& k, const Tensor& v, const Tensor& segments,
+                               const Tensor& workspace, const AttentionDims& dims) override;
+  void attention_cudnn_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv,
+                                const Tensor& delta_scratch, const Tensor& workspace,
+                                const Tensor& d_out, const Tensor& out, const Tensor& lse,
+                                const Tensor& q, const Tensor& k, const Tensor& v,
+                                const Tensor& segments, const AttentionDims& dims) override;
+  // The bytes cuDNN's graph for these dims wants (builds and caches the graph); for tests.
+  size_t cudnn_attention_workspace_bytes(const AttentionDims& dims, DType dtype, bool backward);
 
   // ---- attention_decode (attention_decode.cu) ----
   void attention_decode(const Tensor& out, const Tensor& q, const Tensor& k_cache,
@@ -138,6 +150,9 @@ class CudaBackend final : public Backend {
   void* owned_workspace_ = nullptr;  // the fallback, allocated on first unbound use
   float* reduction_scratch_ = nullptr;
   cuda::GemmContext* gemm_ = nullptr;
+  // Created at the first cuDNN attention call, so runs that never choose it hold no cuDNN handle.
+  cuda::CudnnAttention& cudnn();
+  std::unique_ptr<cuda::CudnnAttention> cudnn_;
 };
 
 // Whether a CUDA device is usable here (tests skip without one).
