@@ -39,22 +39,35 @@ struct BaseUnit {
   std::vector<BaseUnitPiece> pieces;
   uint64_t bytes = 0;        // the flat buffer, world_size * shard_bytes
   uint64_t shard_bytes = 0;  // what each rank keeps, 256-byte aligned
+  // Kept whole on every rank and never gathered (see sharded_base_layout): then shard_bytes is
+  // the whole unit and bytes is not a multiple of the world.
+  bool replicated = false;
+  uint64_t bytes_per_rank() const { return replicated ? bytes : shard_bytes; }
 };
 
 struct ShardedBaseLayout {
   int world_size = 1;
   std::vector<BaseUnit> units;  // in forward order: embed_tokens, layers.0, ..., head
   uint64_t unsharded_bytes = 0;  // the records' bytes as one device holds them
-  uint64_t shard_bytes_per_rank() const;
-  uint64_t gather_buffer_bytes() const;  // one buffer: the largest unit
+  uint64_t shard_bytes_per_rank() const;  // the persistent base a rank keeps (replicated units whole)
+  uint64_t gather_buffer_bytes() const;   // one buffer: the largest unit that is gathered
   static constexpr int kGatherBuffers = 2;
 };
 
 // Throws memtune::Error for world_size < 1.
-ShardedBaseLayout sharded_base_layout(const std::vector<AllocationRecord>& records, int world_size);
+//
+// replicate_when_cheaper: a unit that is not a decoder layer (the embedding, the final norm with
+// the LM head) can be far larger than a layer (Llama 3.1 70B: a 2.1 GB bf16 LM head beside
+// 0.45 GB NF4 layers). Sharding it saves (1 - 1/world) of it per rank but makes both gather
+// buffers its size; keeping it whole on every rank costs all of it but lets the buffers stay
+// layer-sized. With the flag, each of those units is replicated or sharded, whichever set of
+// choices gives a rank the fewest bytes of base + gather buffers (the decoder layers are always
+// sharded). Nothing changes numerically: a replicated unit is the very bytes a gather would give.
+ShardedBaseLayout sharded_base_layout(const std::vector<AllocationRecord>& records, int world_size,
+                                      bool replicate_when_cheaper = false);
 
 // The order in which a training step gathers, waits for, computes with and releases the units,
-// double-buffered. The forward visits every unit (the head does the loss and its backward in
+// double-buffered. The forward visits every gathered unit (replicated ones need no gather) (the head does the loss and its backward in
 // one visit); the backward visits the layers again, last first (the embedding is frozen and
 // nothing needs its backward).
 enum class GatherAction : uint8_t { gather, wait, compute, release };
@@ -80,6 +93,7 @@ struct RankMemory {
   uint64_t base_shard_bytes = 0;   // persistent base per rank (frozen_weights + quant_constants)
   uint64_t base_gather_bytes = 0;  // the two gather buffers (counted in frozen_weights)
   uint64_t arena_bytes = 0;     // the arena a rank allocates
+  std::vector<std::string> replicated_units;  // base units kept whole (sharded_base_layout)
   uint64_t peak_live_bytes() const;
 };
 RankMemory rank_memory(const Plan& rank_plan, int world_size, bool shard_base);
