@@ -4,11 +4,15 @@
 
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <iostream>
+#include <map>
 
 #include "memtune/core/bytes.h"
 #include "memtune/model/llama_config.h"
 #include "memtune/train/engine.h"
+#include "memtune/train/engine_arena.h"
+#include "inprocess_communicator.h"
 
 using namespace memtune;
 
@@ -169,4 +173,73 @@ TEST(ShardedBase, Llama70bQloraOnTwoRanksPlansUnder24GiBPerRank) {
   // The LM head (bf16, 2.1 GB) stays whole: the gather buffers are one NF4 layer each.
   EXPECT_TRUE(layout.units.back().replicated);
   EXPECT_LT(layout.gather_buffer_bytes(), 600ull << 20);
+  // The same run with every unit sharded, the LM head gathered into head-sized buffers.
+  const ShardedBaseLayout all_sharded = sharded_base_layout(rank_plan.records, 2);
+  const uint64_t all_sharded_arena = sharded.arena_bytes - layout.shard_bytes_per_rank() -
+                                     2 * layout.gather_buffer_bytes() + all_sharded.shard_bytes_per_rank() +
+                                     2 * all_sharded.gather_buffer_bytes();
+  std::cout << "every unit sharded (the LM head gathered too): arena per rank " << format_bytes(all_sharded_arena)
+            << "\n";
+  EXPECT_LT(sharded.arena_bytes, all_sharded_arena);
+}
+
+// The gathers on ranks that are threads (the in-process test double stands in for NCCL): every
+// rank keeps only its shards, and each unit gathered by the step's schedule is, piece by piece,
+// bit for bit the buffer of the unsharded engine (NF4 codes, absmax, nested constants, norms).
+TEST(ShardedBase, GatheredUnitsAreTheUnshardedBytesOnEveryRank) {
+  const LlamaConfig model = four_layer_model();
+  for (int world : {2, 3})
+    for (bool replicate : {false, true}) {
+      disttest::InProcessGroup group(world);
+      disttest::run_ranks(world, [&](int rank) {
+        disttest::InProcessCommunicator comm(group, rank);
+        auto cpu = make_cpu_backend();
+        PlannedEngine engine(*cpu, qlora_run(), model);
+        engine->init_random_weights(7);
+        const ShardedBaseLayout layout = sharded_base_layout(engine->memory().records(), world, replicate);
+        std::vector<uint8_t> arena(layout.shard_bytes_per_rank() + 2 * layout.gather_buffer_bytes() +
+                                   (layout.units.size() + 2) * 256);
+        Memory memory(Device::cpu, arena.data(), arena.size());
+        ShardedBase base(*cpu, memory, layout, engine->memory(), comm);
+        uint64_t kept = 0;
+        for (size_t u = 0; u < layout.units.size(); ++u) kept += base.shard(static_cast<int>(u)).nbytes();
+        EXPECT_EQ(kept, layout.shard_bytes_per_rank());
+        std::map<std::string, const AllocationRecord*> source;
+        for (const AllocationRecord& r : engine->memory().records())
+          if (r.freed_at < 0) source[r.name] = &r;
+        std::vector<int> visits;
+        int computed = 0;
+        for (const GatherEvent& e : unit_visits_of_step(layout, &visits)) {
+          if (e.action == GatherAction::gather) base.gather(e.unit, e.buffer);
+          if (e.action == GatherAction::wait) base.wait();
+          if (e.action != GatherAction::compute) continue;
+          ++computed;
+          const BaseUnit& unit = layout.units[static_cast<size_t>(e.unit)];
+          for (size_t p = 0; p < unit.pieces.size(); ++p) {
+            const Tensor got = base.piece(e.unit, e.buffer, p);
+            const Tensor want = engine->memory().bytes_of(*source.at(unit.pieces[p].name));
+            ASSERT_EQ(got.nbytes(), want.nbytes());
+            ASSERT_EQ(std::memcmp(got.data, want.data, want.nbytes()), 0) << unit.pieces[p].name << " rank " << rank;
+          }
+        }
+        EXPECT_EQ(computed, static_cast<int>(visits.size()));
+        // Replicated units are read from the shard with no gather.
+        for (size_t u = 0; u < layout.units.size(); ++u)
+          if (layout.units[u].replicated)
+            EXPECT_EQ(std::memcmp(base.piece(static_cast<int>(u), 0, 0).data,
+                                  engine->memory().bytes_of(*source.at(layout.units[u].pieces[0].name)).data,
+                                  layout.units[u].pieces[0].bytes), 0);
+      });
+    }
+}
+
+TEST(ShardedBase, ALayoutForAnotherWorldIsAClearError) {
+  auto cpu = make_cpu_backend();
+  PlannedEngine engine(*cpu, qlora_run(), four_layer_model());
+  const ShardedBaseLayout layout = sharded_base_layout(engine->memory().records(), 3);
+  const std::unique_ptr<Communicator> one = make_single_rank_communicator();
+  std::vector<uint8_t> arena(1 << 20);
+  Memory memory(Device::cpu, arena.data(), arena.size());
+  EXPECT_THROW(ShardedBase(*cpu, memory, layout, engine->memory(), *one), Error);
+  EXPECT_THROW(sharded_base_layout(engine->memory().records(), 0), Error);
 }

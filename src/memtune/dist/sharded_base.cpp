@@ -8,6 +8,7 @@
 
 #include "memtune/core/bytes.h"
 #include "memtune/core/error.h"
+#include "memtune/dist/zero_shard.h"
 
 namespace memtune {
 namespace {
@@ -165,6 +166,54 @@ std::string check_gather_schedule(const std::vector<GatherEvent>& events, const 
   if (next_visit != visits.size()) return fmt::format("{} of {} visits computed", next_visit, visits.size());
   if (held_unit[0] >= 0 || held_unit[1] >= 0) return "a buffer is still held at the end";
   return {};
+}
+
+ShardedBase::ShardedBase(Backend& backend, Memory& memory, const ShardedBaseLayout& layout, const Memory& source,
+                         Communicator& comm, CommStream stream)
+    : backend_(backend), layout_(layout), comm_(comm), stream_(stream) {
+  MT_USER_CHECK(layout.world_size == comm.world_size(), "a base sharded for {} ranks on a communicator of {} ranks",
+                layout.world_size, comm.world_size());
+  // The last live record of each name is the buffer the layout was made from.
+  std::map<std::string, const AllocationRecord*> live;
+  for (const AllocationRecord& r : source.records())
+    if (r.freed_at < 0) live[r.name] = &r;
+  std::vector<uint8_t> whole, piece_bytes;
+  for (const BaseUnit& unit : layout_.units) {
+    whole.assign(unit.bytes, 0);  // the gaps and the padding are zeros on every rank
+    for (const BaseUnitPiece& p : unit.pieces) {
+      const auto it = live.find(p.name);
+      MT_USER_CHECK(it != live.end() && it->second->bytes == p.bytes, "sharding the base: {} ({} bytes) is not in the "
+                    "weights' memory", p.name, p.bytes);
+      backend.copy_to_host(whole.data() + p.offset, source.bytes_of(*it->second));
+    }
+    const uint64_t begin = unit.replicated ? 0 : static_cast<uint64_t>(comm.rank()) * unit.shard_bytes;
+    Tensor shard = memory.alloc(fmt::format("base_shard.{}", unit.name), MemCategory::frozen_weights, DType::u8,
+                                Shape{static_cast<int64_t>(unit.bytes_per_rank())});
+    if (shard.data != nullptr) backend.copy_from_host(shard, whole.data() + begin);
+    shards_.push_back(shard);
+  }
+  const uint64_t buffer_bytes = layout_.gather_buffer_bytes();
+  if (buffer_bytes > 0)
+    for (int b = 0; b < ShardedBaseLayout::kGatherBuffers; ++b)
+      gather_[b] = memory.alloc(fmt::format("base_gather.{}", b), MemCategory::frozen_weights, DType::u8,
+                                Shape{static_cast<int64_t>(buffer_bytes)});
+}
+
+void ShardedBase::gather(int unit, int buffer) {
+  MT_ASSERT(unit >= 0 && unit < static_cast<int>(layout_.units.size()) && buffer >= 0 &&
+            buffer < ShardedBaseLayout::kGatherBuffers, "gather of unit {} into buffer {}", unit, buffer);
+  const BaseUnit& u = layout_.units[static_cast<size_t>(unit)];
+  MT_ASSERT(!u.replicated, "{} is replicated: nothing to gather", u.name);
+  comm_.all_gather(shards_[static_cast<size_t>(unit)],
+                   flat_range(gather_[buffer], 0, static_cast<int64_t>(u.bytes)), stream_);
+}
+
+Tensor ShardedBase::piece(int unit, int buffer, size_t piece) const {
+  const BaseUnit& u = layout_.units[static_cast<size_t>(unit)];
+  MT_ASSERT(piece < u.pieces.size(), "piece {} of {}", piece, u.name);
+  const BaseUnitPiece& p = u.pieces[piece];
+  const Tensor& from = u.replicated ? shards_[static_cast<size_t>(unit)] : gather_[buffer];
+  return flat_range(from, static_cast<int64_t>(p.offset), static_cast<int64_t>(p.bytes));
 }
 
 uint64_t RankMemory::peak_live_bytes() const {

@@ -22,6 +22,8 @@
 #include <vector>
 
 #include "memtune/core/memory.h"
+#include "memtune/dist/communicator.h"
+#include "memtune/ops/backend.h"
 #include "memtune/train/engine.h"
 
 namespace memtune {
@@ -83,6 +85,36 @@ std::vector<GatherEvent> gather_schedule(const std::vector<int>& visits);
 // Empty when the schedule is sound (each compute's unit gathered and waited for in its buffer,
 // never more than two buffers held, no gather into a held buffer), else the first problem.
 std::string check_gather_schedule(const std::vector<GatherEvent>& events, const std::vector<int>& visits);
+
+// The runtime side: one rank's shards of the base and the two gather buffers. A gather is one
+// all-gather of u8 (NCCL between GPUs); a piece of a gathered unit is then a view of the very
+// bytes the unsharded buffer holds. Not yet used by the step (see the header comment).
+class ShardedBase {
+ public:
+  // Allocates this rank's shards and the gather buffers in `memory` (frozen_weights) and fills
+  // the shards from `source`, whose live records hold the whole base the layout was made from
+  // (a loader that reads only its shard from the checkpoint is the production path; this is the
+  // path the tests use). Throws memtune::Error when the layout's world is not the communicator's
+  // or a piece is missing from `source`.
+  ShardedBase(Backend& backend, Memory& memory, const ShardedBaseLayout& layout, const Memory& source,
+              Communicator& comm, CommStream stream = {});
+  const ShardedBaseLayout& layout() const { return layout_; }
+  // Issues the all-gather of `unit` into gather buffer `buffer` (0 or 1); wait() before reading.
+  void gather(int unit, int buffer);
+  void wait() { comm_.wait(stream_); }
+  // u8 view of piece `piece` of `unit` as gathered into `buffer`; a replicated unit's pieces are
+  // in its shard (the buffer is then ignored).
+  Tensor piece(int unit, int buffer, size_t piece) const;
+  const Tensor& shard(int unit) const { return shards_[static_cast<size_t>(unit)]; }
+
+ private:
+  Backend& backend_;
+  ShardedBaseLayout layout_;
+  Communicator& comm_;
+  CommStream stream_;
+  std::vector<Tensor> shards_;
+  Tensor gather_[ShardedBaseLayout::kGatherBuffers];
+};
 
 // One rank's memory: a rank's plan (plan_run with world_size: flat adapters, ZeRO-1 moment
 // shards) with the frozen base sharded, or not.
