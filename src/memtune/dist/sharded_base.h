@@ -12,9 +12,9 @@
 // The layout is made from the plan's own records (plan by running): every persistent buffer of
 // category frozen_weights or quant_constants, grouped by its name's unit.
 //
-// Not yet wired into the step: that needs LlamaStep to ask for a unit's weights through a
-// provider (frozen_weight(layer, p) already funnels every projection read; the norms and the
-// embedding / head would need the same), which is step/'s code.
+// ShardedBase (below) holds a rank's shards and does the gathers; it is not yet wired into the
+// step: that needs LlamaStep to ask for a unit's weights through a provider (frozen_weight(layer,
+// p) already funnels every projection read; the norms would need the same), which is step/'s code.
 #pragma once
 
 #include <cstdint>
