@@ -626,3 +626,22 @@ TEST(CliTrain, AFailedCheckpointWriteExitsNonZeroAndKeepsThePreviousCheckpoint) 
 }
 
 }  // namespace
+
+// One rank of several GPUs: the per-rank table, the budget check per rank, and the bad
+// combinations refused with a message.
+TEST(Cli, PlanOfOneRankWithAShardedBase) {
+  const std::string run70b = "plan --model llama-3.1-70b --bf16 --load_in_4bit --attn_implementation flash "
+                             "--gradient_checkpointing --loss_implementation chunked --offload_activations "
+                             "--offload_embeddings --batch 1 --seq 2048 ";
+  const Result ok = run_memtune(run70b + "--world_size 2 --shard_base --vram 24GiB");
+  EXPECT_EQ(ok.exit_code, 0) << ok.output;
+  EXPECT_NE(ok.output.find("per-rank memory, 2 ranks (frozen base sharded"), std::string::npos) << ok.output;
+  EXPECT_NE(ok.output.find("head is kept whole on every rank"), std::string::npos) << ok.output;
+  const Result replicated = run_memtune(run70b + "--world_size 2 --vram 24GiB");
+  EXPECT_NE(replicated.exit_code, 0) << "the whole 70B base on each rank fits 24 GiB?";
+  EXPECT_NE(replicated.output.find("does not fit --vram 24GiB"), std::string::npos) << replicated.output;
+  const Result no_world = run_memtune("plan --model tiny --shard_base");
+  EXPECT_NE(no_world.exit_code, 0);
+  EXPECT_NE(no_world.output.find("--shard_base needs --world_size"), std::string::npos) << no_world.output;
+  EXPECT_NE(run_memtune("plan --model tiny --world_size 0").exit_code, 0);
+}

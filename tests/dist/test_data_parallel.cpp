@@ -106,6 +106,101 @@ TEST(DataParallel, TwoRanksEqualOneRankWithTwiceTheAccumulation) {
   }
 }
 
+// Wraps a rank's communicator and notes, at each all-reduce, which part of the flat grads it
+// covers and whether layer 0's grads had been computed yet (they are zero until layer 0's
+// backward: one micro-batch per step).
+class BackwardSpyCommunicator final : public Communicator {
+ public:
+  struct Call {
+    int64_t grad_begin = -1;  // the flat grad element where the range starts; -1: not the grads
+    int64_t numel = 0;
+    bool layer0_grads_done = false;
+  };
+  explicit BackwardSpyCommunicator(Communicator& inner) : inner_(inner) {}
+  void watch(const LoraState& lora) { lora_ = &lora; }
+  int rank() const override { return inner_.rank(); }
+  int world_size() const override { return inner_.world_size(); }
+  std::string name() const override { return "backward spy over " + inner_.name(); }
+  void all_reduce_sum(const Tensor& send, const Tensor& recv, CommStream stream) override {
+    Call call;
+    call.numel = send.numel();
+    const Tensor& grads = lora_->flat_grads();
+    const auto* g = static_cast<const float*>(grads.data);
+    const auto* p = static_cast<const float*>(send.data);
+    if (send.dtype == DType::f32 && p >= g && p < g + grads.numel()) call.grad_begin = p - g;
+    for (size_t i = 0; i < lora_->specs().size(); ++i)
+      if (lora_->specs()[i].layer == 0)
+        for (const Tensor* t : {&lora_->tensors()[i].grad_a, &lora_->tensors()[i].grad_b})
+          for (int64_t k = 0; k < t->numel(); ++k) call.layer0_grads_done |= t->as<float>()[k] != 0.0f;
+    calls.push_back(call);
+    inner_.all_reduce_sum(send, recv, stream);
+  }
+  void reduce_scatter_sum(const Tensor& send, const Tensor& recv, CommStream stream) override {
+    inner_.reduce_scatter_sum(send, recv, stream);
+  }
+  void all_gather(const Tensor& send, const Tensor& recv, CommStream stream) override { inner_.all_gather(send, recv, stream); }
+  void broadcast(const Tensor& buffer, int root, CommStream stream) override { inner_.broadcast(buffer, root, stream); }
+  void wait(CommStream stream) override { inner_.wait(stream); }
+  std::vector<Call> calls;
+
+ private:
+  Communicator& inner_;
+  const LoraState* lora_ = nullptr;
+};
+
+// The overlap hook: with one bucket per layer, the last layer's bucket is all-reduced before
+// layer 0's backward has run (inside the backward, not after it), then layer 0's; the result
+// still equals one rank with twice the accumulation. Both backward loops (kept and offloaded
+// layer inputs) call the hook.
+TEST(DataParallel, BucketsAreAllReducedInsideTheBackwardLastLayerFirst) {
+  const LlamaConfig model = small_model();
+  for (bool offload : {false, true}) {
+    RunConfig run = small_run();
+    run.ddp_bucket_cap_mb = 1e-9;  // one byte: every layer is a bucket of its own
+    run.gradient_checkpointing = offload;
+    run.offload_activations = offload;
+    const std::vector<HostMicroBatch> batches = enginetest::random_batches(model, run, 2, 21);
+    auto cpu = make_cpu_backend();
+    PlannedEngine single(*cpu, run, model);
+    init_engine(single.engine());
+    const double single_loss = single->train_step(batches).loss;
+    const std::vector<float> expected = adapters(single.engine());
+
+    std::vector<std::vector<BackwardSpyCommunicator::Call>> calls(2);
+    std::vector<std::vector<float>> got(2);
+    std::vector<double> losses(2);
+    disttest::InProcessGroup group(2);
+    disttest::run_ranks(2, [&](int rank) {
+      disttest::InProcessCommunicator inner(group, rank);
+      BackwardSpyCommunicator spy(inner);
+      auto backend = make_cpu_backend();
+      PlannedEngine engine(*backend, run, model, &spy);
+      spy.watch(engine->lora());
+      ASSERT_EQ(engine->data_parallel()->buckets().buckets.size(), 2u);
+      init_engine(engine.engine());
+      losses[static_cast<size_t>(rank)] = engine->train_step({batches[static_cast<size_t>(rank)]}).loss;
+      got[static_cast<size_t>(rank)] = adapters(engine.engine());
+      calls[static_cast<size_t>(rank)] = spy.calls;
+      // The buckets as planned: layer 1's first, then layer 0's.
+      const GradBucketPlan& plan = engine->data_parallel()->buckets();
+      EXPECT_EQ(plan.buckets[0].layers, std::vector<int>{1});
+      EXPECT_EQ(plan.buckets[1].layers, std::vector<int>{0});
+      const std::vector<BackwardSpyCommunicator::Call>& c = spy.calls;
+      ASSERT_EQ(c.size(), 4u);  // global counts, bucket of layer 1, bucket of layer 0, loss
+      EXPECT_EQ(c[0].grad_begin, -1);
+      EXPECT_EQ(c[1].grad_begin, plan.buckets[0].begin);
+      EXPECT_EQ(c[1].numel, plan.buckets[0].numel());
+      EXPECT_FALSE(c[1].layer0_grads_done) << "layer 1's bucket waited for the end of the backward";
+      EXPECT_EQ(c[2].grad_begin, plan.buckets[1].begin);
+      EXPECT_TRUE(c[2].layer0_grads_done);
+      EXPECT_EQ(c[3].grad_begin, -1);
+    });
+    EXPECT_EQ(got[0], got[1]);
+    EXPECT_LT(rel_error(got[0], expected), 1e-5) << "offload " << offload;
+    EXPECT_NEAR(losses[0], single_loss, 1e-5 * single_loss);
+  }
+}
+
 TEST(DataParallel, TrainerOnTwoRanksEqualsOneRankWithTwiceTheAccumulation) {
   const LlamaConfig model = small_model();
   // 11 rows, 2 per micro-batch: 6 micro-batches an epoch, so a 4-micro-batch step leaves a

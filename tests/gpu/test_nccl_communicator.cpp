@@ -4,10 +4,14 @@
 // real NCCL against the plain per-tensor AdamW. Skipped without a GPU or without NCCL.
 #include <gtest/gtest.h>
 
+#include <map>
+
 #include "gpu_test_util.h"
 #include "memtune/dist/communicator.h"
 #include "memtune/dist/data_parallel.h"
 #include "memtune/dist/launch_env.h"
+#include "memtune/dist/sharded_base.h"
+#include "memtune/train/engine_arena.h"
 #include "memtune/model/llama_config.h"
 
 using namespace memtune;
@@ -128,4 +132,45 @@ TEST_F(NcclTest, DataParallelUpdateOverNcclEqualsThePlainAdamW) {
   }
   gpu().free_arena(arena_a);
   gpu().free_arena(arena_b);
+}
+
+// The sharded base's gathers over real NCCL (u8 all-gathers into the two gather buffers, one
+// rank): every piece of every unit of a 4-bit base, gathered in the step's schedule, is the
+// engine's buffer bit for bit.
+TEST_F(NcclTest, ShardedBaseGathersOverNcclAreTheUnshardedBytes) {
+  LlamaConfig model = resolve_model("tiny").config;
+  model.num_hidden_layers = 3;
+  RunConfig run;
+  run.precision = Precision::bf16;
+  run.load_in_4bit = true;
+  run.per_device_train_batch_size = 1;
+  run.max_seq_length = 64;
+  PlannedEngine engine(gpu(), run, model);
+  engine->init_random_weights(7);
+  const ShardedBaseLayout layout = sharded_base_layout(engine->memory().records(), 1);
+  const uint64_t arena_bytes = layout.shard_bytes_per_rank() + 2 * layout.gather_buffer_bytes() + (layout.units.size() + 2) * 256;
+  void* arena = gpu().allocate_arena(arena_bytes);
+  {
+    Memory memory(Device::cuda, arena, arena_bytes);
+    ShardedBase base(gpu(), memory, layout, engine->memory(), comm());
+    std::map<std::string, const AllocationRecord*> source;
+    for (const AllocationRecord& r : engine->memory().records())
+      if (r.freed_at < 0) source[r.name] = &r;
+    std::vector<int> visits;
+    for (const GatherEvent& e : unit_visits_of_step(layout, &visits)) {
+      if (e.action == GatherAction::gather) base.gather(e.unit, e.buffer);
+      if (e.action == GatherAction::wait) base.wait();
+      if (e.action != GatherAction::compute) continue;
+      const BaseUnit& unit = layout.units[static_cast<size_t>(e.unit)];
+      for (size_t p = 0; p < unit.pieces.size(); ++p) {
+        const Tensor got = base.piece(e.unit, e.buffer, p);
+        const Tensor want = engine->memory().bytes_of(*source.at(unit.pieces[p].name));
+        std::vector<uint8_t> hg(got.nbytes()), hw(want.nbytes());
+        gpu().copy_to_host(hg.data(), got);
+        gpu().copy_to_host(hw.data(), want);
+        ASSERT_EQ(hg, hw) << unit.pieces[p].name;
+      }
+    }
+  }
+  gpu().free_arena(arena);
 }

@@ -12,6 +12,7 @@
 #include "memtune/core/bytes.h"
 #include "memtune/data/jsonl_dataset.h"
 #include "memtune/data/sft_dataset.h"
+#include "memtune/dist/sharded_base.h"
 #include "memtune/dist/communicator.h"
 #include "memtune/dist/launch_env.h"
 #include "memtune/io/file_util.h"
@@ -268,6 +269,10 @@ int run_cli(int argc, char** argv) {
   bool live_at_peak = false;
   plan_cmd->add_flag("--live-at-peak", live_at_peak, "also list the buffers alive at the peak, largest first");
   plan_cmd->add_option("--vram", vram, "budget, e.g. 24GiB: refuse, with advice, a plan over it");
+  int plan_world_size = 1;
+  bool shard_base = false;
+  plan_cmd->add_option("--world_size", plan_world_size, "several GPUs: plan one rank of this many (ZeRO-1 optimizer state)")->capture_default_str();
+  plan_cmd->add_flag("--shard_base", shard_base, "with --world_size: the frozen base sharded across the ranks and gathered one layer at a time (FSDP-QLoRA)");
 
   // train's data and loop options, in TRL / transformers names (data/sft_dataset.h, train/trainer.h).
   bool completion_only_loss = true, assistant_only_loss = true, packing = false;
@@ -441,8 +446,21 @@ int run_cli(int argc, char** argv) {
 
   // Under --vram, an auto token-chunk size becomes the largest that fits (fit.h).
   if (!vram.empty() && (plan_cmd->parsed() || train_cmd->parsed()))
-    fit_token_chunks(run, model, parse_bytes(vram), 0, launch_env_from_process().world_size);
+    fit_token_chunks(run, model, parse_bytes(vram), 0, plan_cmd->parsed() ? static_cast<int>(plan_world_size) : launch_env_from_process().world_size);
 
+  if (plan_cmd->parsed() && plan_world_size != 1) {
+    MT_USER_CHECK(plan_world_size >= 2, "--world_size {}: expected at least 1", plan_world_size);
+    MT_USER_CHECK(!json && !live_at_peak, "--world_size: --json and --live-at-peak are for one device only");
+    const Plan single = plan_run(run, model);
+    const Plan rank_plan = plan_run(run, model, Device::cuda, plan_world_size);
+    const RankMemory rank = rank_memory(rank_plan, plan_world_size, shard_base);
+    std::cout << format_rank_memory(single, rank);
+    if (!vram.empty())
+      MT_USER_CHECK(rank.arena_bytes <= parse_bytes(vram), "one rank of {} does not fit --vram {}: it plans {}",
+                    plan_world_size, vram, format_bytes(rank.arena_bytes));
+    return 0;
+  }
+  MT_USER_CHECK(!shard_base || !plan_cmd->parsed(), "--shard_base needs --world_size 2 or more");
   if (plan_cmd->parsed()) {
     const Plan plan = plan_run(run, model);
     if (json) std::cout << plan_json(plan, run, model).dump(2) << "\n";

@@ -60,6 +60,12 @@ Tensor Memory::free_tail() const {
   return Tensor{base_ + end, DType::u8, Shape{static_cast<int64_t>(arena_bytes_ - end)}, device_};
 }
 
+Tensor Memory::bytes_of(const AllocationRecord& record) const {
+  if (base_ == nullptr) return Tensor{};
+  MT_ASSERT(arena_bytes_ == 0 || record.offset + record.bytes <= arena_bytes_, "{} lies outside the arena", record.name);
+  return Tensor{base_ + record.offset, DType::u8, Shape{static_cast<int64_t>(record.bytes)}, device_};
+}
+
 Memory::Memory(Device device, void* arena_base, uint64_t arena_bytes)
     : device_(device), base_(static_cast<char*>(arena_base)), arena_bytes_(arena_bytes) {
   MT_ASSERT(device == Device::meta || arena_base != nullptr || arena_bytes == 0);

@@ -105,6 +105,9 @@ class Memory {
   // dense copy of a projection it quantizes, so that loading stays inside the planned arena.
   // Empty on the meta device.
   Tensor free_tail() const;
+  // The bytes of a buffer this memory placed (u8, the record's size): for code that works on the
+  // records rather than the typed tensors, as the sharded base does. Empty on the meta device.
+  Tensor bytes_of(const AllocationRecord& record) const;
   // Record-by-record comparison with a plan made on the meta device. Returns an empty string
   // when they agree, else a description of the first difference.
   std::string verify_against(const std::vector<AllocationRecord>& planned) const;

@@ -63,11 +63,8 @@ std::pair<int64_t, int64_t> DataParallelAdapters::global_counts(int64_t valid_ta
 
 void DataParallelAdapters::begin_final_backward() { readiness_.reset(); }
 
-// The hook that would overlap these all-reduces with the backward: in
-// LlamaStep::forward_backward, after `layer_backward(l, states[l], d_resid, dropout_seed);`, a
-// call of an optional StepOptions callback `on_layer_grads_done(l)` (std::function<void(int)>),
-// which the engine sets, for the last micro-batch of a step only, to
-// [&](int l) { data_parallel_->layer_backward_done(l); }. For the overlap to be real the
+// Called through LlamaStep::set_on_layer_grads_done (the engine sets it for the last
+// micro-batch of a step) right after layer l's backward. For the overlap to be real on CUDA the
 // all-reduce must run on a second CUDA stream that waits on an event recorded after layer l's
 // backward (the CUDA backend runs on the legacy default stream, which serialises with every
 // other blocking stream): a non-blocking comm stream plus cudaEventRecord / cudaStreamWaitEvent.

@@ -7,10 +7,10 @@
 //    all-gather of the params.
 //
 // Overlap with the backward: layer_backward_done(l) launches the all-reduce of every bucket that
-// layer l completes. It wants a hook in LlamaStep::forward_backward right after
-// layer_backward(l) returns (step/ is owned elsewhere; see the hook comment in data_parallel.cpp).
-// Without the hook the engine calls reduce_gradients() after the backward of the last
-// micro-batch, which launches the same buckets in the same order.
+// layer l completes. The engine calls it from LlamaStep's on_layer_grads_done hook during a
+// step's last micro-batch; reduce_gradients() then launches only what is left (nothing, when
+// every layer reported). On CUDA the collectives are still on the legacy default stream, so they
+// are issued early but run serialised with the kernels (see the comment in data_parallel.cpp).
 //
 // Every collective sequence ends in Communicator::wait before the host reads anything, so a dead
 // peer becomes a memtune::Error on every surviving rank.

@@ -8,6 +8,7 @@
 
 #include "memtune/core/bytes.h"
 #include "memtune/core/error.h"
+#include "memtune/dist/zero_shard.h"
 
 namespace memtune {
 namespace {
@@ -36,17 +37,19 @@ int unit_layer(const std::string& name, bool* is_embed) {
 
 uint64_t ShardedBaseLayout::shard_bytes_per_rank() const {
   uint64_t total = 0;
-  for (const BaseUnit& u : units) total += u.shard_bytes;
+  for (const BaseUnit& u : units) total += u.bytes_per_rank();
   return total;
 }
 
 uint64_t ShardedBaseLayout::gather_buffer_bytes() const {
   uint64_t largest = 0;
-  for (const BaseUnit& u : units) largest = std::max(largest, u.bytes);
+  for (const BaseUnit& u : units)
+    if (!u.replicated) largest = std::max(largest, u.bytes);
   return largest;
 }
 
-ShardedBaseLayout sharded_base_layout(const std::vector<AllocationRecord>& records, int world_size) {
+ShardedBaseLayout sharded_base_layout(const std::vector<AllocationRecord>& records, int world_size,
+                                      bool replicate_when_cheaper) {
   MT_USER_CHECK(world_size >= 1, "sharding the base over {} ranks: expected at least 1", world_size);
   ShardedBaseLayout layout;
   layout.world_size = world_size;
@@ -70,15 +73,48 @@ ShardedBaseLayout sharded_base_layout(const std::vector<AllocationRecord>& recor
     unit.bytes = unit.shard_bytes * static_cast<uint64_t>(world_size);
     layout.units.push_back(std::move(unit));
   }
+  if (!replicate_when_cheaper || world_size == 1) return layout;
+  // Every replicate/shard choice for the non-layer units (at most the embedding and the head:
+  // four choices); the cost is a rank's persistent base plus the two gather buffers.
+  std::vector<size_t> candidates;
+  for (size_t u = 0; u < layout.units.size(); ++u)
+    if (layout.units[u].layer < 0) candidates.push_back(u);
+  MT_ASSERT(candidates.size() <= 8, "{} base units outside the decoder layers", candidates.size());
+  auto cost = [&](uint32_t replicated_mask) {
+    uint64_t base = 0, largest = 0;
+    for (size_t u = 0; u < layout.units.size(); ++u) {
+      const BaseUnit& unit = layout.units[u];
+      const auto at = std::find(candidates.begin(), candidates.end(), u);
+      const bool replicated = at != candidates.end() && (replicated_mask >> (at - candidates.begin()) & 1u) != 0;
+      // A replicated unit keeps its aligned pieces, not the padding to world equal shards.
+      uint64_t whole = 0;
+      for (const BaseUnitPiece& p : unit.pieces) whole = std::max(whole, p.offset + align_up(p.bytes));
+      base += replicated ? whole : unit.shard_bytes;
+      if (!replicated) largest = std::max(largest, unit.bytes);
+    }
+    return base + largest * ShardedBaseLayout::kGatherBuffers;
+  };
+  uint32_t best = 0;
+  for (uint32_t mask = 1; mask < (1u << candidates.size()); ++mask)
+    if (cost(mask) < cost(best)) best = mask;
+  for (size_t i = 0; i < candidates.size(); ++i)
+    if ((best >> i & 1u) != 0) {
+      BaseUnit& unit = layout.units[candidates[i]];
+      unit.replicated = true;
+      uint64_t whole = 0;
+      for (const BaseUnitPiece& p : unit.pieces) whole = std::max(whole, p.offset + align_up(p.bytes));
+      unit.bytes = unit.shard_bytes = whole;
+    }
   return layout;
 }
 
 std::vector<GatherEvent> unit_visits_of_step(const ShardedBaseLayout& layout, std::vector<int>* visits_out) {
   std::vector<int> visits;
   const int n = static_cast<int>(layout.units.size());
-  for (int u = 0; u < n; ++u) visits.push_back(u);
+  for (int u = 0; u < n; ++u)
+    if (!layout.units[static_cast<size_t>(u)].replicated) visits.push_back(u);
   for (int u = n - 1; u >= 0; --u)
-    if (layout.units[static_cast<size_t>(u)].layer >= 0) visits.push_back(u);
+    if (layout.units[static_cast<size_t>(u)].layer >= 0 && !layout.units[static_cast<size_t>(u)].replicated) visits.push_back(u);
   if (visits_out != nullptr) *visits_out = visits;
   return gather_schedule(visits);
 }
@@ -132,6 +168,54 @@ std::string check_gather_schedule(const std::vector<GatherEvent>& events, const 
   return {};
 }
 
+ShardedBase::ShardedBase(Backend& backend, Memory& memory, const ShardedBaseLayout& layout, const Memory& source,
+                         Communicator& comm, CommStream stream)
+    : backend_(backend), layout_(layout), comm_(comm), stream_(stream) {
+  MT_USER_CHECK(layout.world_size == comm.world_size(), "a base sharded for {} ranks on a communicator of {} ranks",
+                layout.world_size, comm.world_size());
+  // The last live record of each name is the buffer the layout was made from.
+  std::map<std::string, const AllocationRecord*> live;
+  for (const AllocationRecord& r : source.records())
+    if (r.freed_at < 0) live[r.name] = &r;
+  std::vector<uint8_t> whole, piece_bytes;
+  for (const BaseUnit& unit : layout_.units) {
+    whole.assign(unit.bytes, 0);  // the gaps and the padding are zeros on every rank
+    for (const BaseUnitPiece& p : unit.pieces) {
+      const auto it = live.find(p.name);
+      MT_USER_CHECK(it != live.end() && it->second->bytes == p.bytes, "sharding the base: {} ({} bytes) is not in the "
+                    "weights' memory", p.name, p.bytes);
+      backend.copy_to_host(whole.data() + p.offset, source.bytes_of(*it->second));
+    }
+    const uint64_t begin = unit.replicated ? 0 : static_cast<uint64_t>(comm.rank()) * unit.shard_bytes;
+    Tensor shard = memory.alloc(fmt::format("base_shard.{}", unit.name), MemCategory::frozen_weights, DType::u8,
+                                Shape{static_cast<int64_t>(unit.bytes_per_rank())});
+    if (shard.data != nullptr) backend.copy_from_host(shard, whole.data() + begin);
+    shards_.push_back(shard);
+  }
+  const uint64_t buffer_bytes = layout_.gather_buffer_bytes();
+  if (buffer_bytes > 0)
+    for (int b = 0; b < ShardedBaseLayout::kGatherBuffers; ++b)
+      gather_[b] = memory.alloc(fmt::format("base_gather.{}", b), MemCategory::frozen_weights, DType::u8,
+                                Shape{static_cast<int64_t>(buffer_bytes)});
+}
+
+void ShardedBase::gather(int unit, int buffer) {
+  MT_ASSERT(unit >= 0 && unit < static_cast<int>(layout_.units.size()) && buffer >= 0 &&
+            buffer < ShardedBaseLayout::kGatherBuffers, "gather of unit {} into buffer {}", unit, buffer);
+  const BaseUnit& u = layout_.units[static_cast<size_t>(unit)];
+  MT_ASSERT(!u.replicated, "{} is replicated: nothing to gather", u.name);
+  comm_.all_gather(shards_[static_cast<size_t>(unit)],
+                   flat_range(gather_[buffer], 0, static_cast<int64_t>(u.bytes)), stream_);
+}
+
+Tensor ShardedBase::piece(int unit, int buffer, size_t piece) const {
+  const BaseUnit& u = layout_.units[static_cast<size_t>(unit)];
+  MT_ASSERT(piece < u.pieces.size(), "piece {} of {}", piece, u.name);
+  const BaseUnitPiece& p = u.pieces[piece];
+  const Tensor& from = u.replicated ? shards_[static_cast<size_t>(unit)] : gather_[buffer];
+  return flat_range(from, static_cast<int64_t>(p.offset), static_cast<int64_t>(p.bytes));
+}
+
 uint64_t RankMemory::peak_live_bytes() const {
   uint64_t total = 0;
   for (uint64_t b : at_peak) total += b;
@@ -146,7 +230,7 @@ RankMemory rank_memory(const Plan& rank_plan, int world_size, bool shard_base) {
   out.at_peak = rank_plan.at_peak;
   out.arena_bytes = rank_plan.arena_bytes;
   if (!out.base_sharded) return out;
-  const ShardedBaseLayout layout = sharded_base_layout(rank_plan.records, world_size);
+  const ShardedBaseLayout layout = sharded_base_layout(rank_plan.records, world_size, /*replicate_when_cheaper=*/true);
   // The persistent base is live at the peak; its records are the first ones (the bottom of the
   // arena), so removing them lowers the arena by their aligned bytes.
   uint64_t persistent_aligned = 0;
@@ -157,6 +241,8 @@ RankMemory rank_memory(const Plan& rank_plan, int world_size, bool shard_base) {
       persistent_aligned += align_up(r.bytes);
     }
   out.base_shard_bytes = layout.shard_bytes_per_rank();
+  for (const BaseUnit& u : layout.units)
+    if (u.replicated) out.replicated_units.push_back(u.name);
   out.base_gather_bytes = layout.gather_buffer_bytes() * ShardedBaseLayout::kGatherBuffers;
   const uint64_t unsharded = persistent[0] + persistent[1];
   // The shards are split between the two categories in the proportion of the unsharded bytes.
@@ -185,6 +271,8 @@ std::string format_rank_memory(const Plan& single, const RankMemory& rank) {
   if (rank.base_sharded)
     out += fmt::format("  (frozen weights per rank include the gather buffers: {})\n",
                        format_bytes(rank.base_gather_bytes));
+  for (const std::string& name : rank.replicated_units)
+    out += fmt::format("  ({} is kept whole on every rank: sharding it would make both gather buffers its size)\n", name);
   return out;
 }
 

@@ -12,9 +12,9 @@
 // The layout is made from the plan's own records (plan by running): every persistent buffer of
 // category frozen_weights or quant_constants, grouped by its name's unit.
 //
-// Not yet wired into the step: that needs LlamaStep to ask for a unit's weights through a
-// provider (frozen_weight(layer, p) already funnels every projection read; the norms and the
-// embedding / head would need the same), which is step/'s code.
+// ShardedBase (below) holds a rank's shards and does the gathers; it is not yet wired into the
+// step: that needs LlamaStep to ask for a unit's weights through a provider (frozen_weight(layer,
+// p) already funnels every projection read; the norms would need the same), which is step/'s code.
 #pragma once
 
 #include <cstdint>
@@ -22,6 +22,8 @@
 #include <vector>
 
 #include "memtune/core/memory.h"
+#include "memtune/dist/communicator.h"
+#include "memtune/ops/backend.h"
 #include "memtune/train/engine.h"
 
 namespace memtune {
@@ -39,22 +41,35 @@ struct BaseUnit {
   std::vector<BaseUnitPiece> pieces;
   uint64_t bytes = 0;        // the flat buffer, world_size * shard_bytes
   uint64_t shard_bytes = 0;  // what each rank keeps, 256-byte aligned
+  // Kept whole on every rank and never gathered (see sharded_base_layout): then shard_bytes is
+  // the whole unit and bytes is not a multiple of the world.
+  bool replicated = false;
+  uint64_t bytes_per_rank() const { return replicated ? bytes : shard_bytes; }
 };
 
 struct ShardedBaseLayout {
   int world_size = 1;
   std::vector<BaseUnit> units;  // in forward order: embed_tokens, layers.0, ..., head
   uint64_t unsharded_bytes = 0;  // the records' bytes as one device holds them
-  uint64_t shard_bytes_per_rank() const;
-  uint64_t gather_buffer_bytes() const;  // one buffer: the largest unit
+  uint64_t shard_bytes_per_rank() const;  // the persistent base a rank keeps (replicated units whole)
+  uint64_t gather_buffer_bytes() const;   // one buffer: the largest unit that is gathered
   static constexpr int kGatherBuffers = 2;
 };
 
 // Throws memtune::Error for world_size < 1.
-ShardedBaseLayout sharded_base_layout(const std::vector<AllocationRecord>& records, int world_size);
+//
+// replicate_when_cheaper: a unit that is not a decoder layer (the embedding, the final norm with
+// the LM head) can be far larger than a layer (Llama 3.1 70B: a 2.1 GB bf16 LM head beside
+// 0.45 GB NF4 layers). Sharding it saves (1 - 1/world) of it per rank but makes both gather
+// buffers its size; keeping it whole on every rank costs all of it but lets the buffers stay
+// layer-sized. With the flag, each of those units is replicated or sharded, whichever set of
+// choices gives a rank the fewest bytes of base + gather buffers (the decoder layers are always
+// sharded). Nothing changes numerically: a replicated unit is the very bytes a gather would give.
+ShardedBaseLayout sharded_base_layout(const std::vector<AllocationRecord>& records, int world_size,
+                                      bool replicate_when_cheaper = false);
 
 // The order in which a training step gathers, waits for, computes with and releases the units,
-// double-buffered. The forward visits every unit (the head does the loss and its backward in
+// double-buffered. The forward visits every gathered unit (replicated ones need no gather) (the head does the loss and its backward in
 // one visit); the backward visits the layers again, last first (the embedding is frozen and
 // nothing needs its backward).
 enum class GatherAction : uint8_t { gather, wait, compute, release };
@@ -71,6 +86,36 @@ std::vector<GatherEvent> gather_schedule(const std::vector<int>& visits);
 // never more than two buffers held, no gather into a held buffer), else the first problem.
 std::string check_gather_schedule(const std::vector<GatherEvent>& events, const std::vector<int>& visits);
 
+// The runtime side: one rank's shards of the base and the two gather buffers. A gather is one
+// all-gather of u8 (NCCL between GPUs); a piece of a gathered unit is then a view of the very
+// bytes the unsharded buffer holds. Not yet used by the step (see the header comment).
+class ShardedBase {
+ public:
+  // Allocates this rank's shards and the gather buffers in `memory` (frozen_weights) and fills
+  // the shards from `source`, whose live records hold the whole base the layout was made from
+  // (a loader that reads only its shard from the checkpoint is the production path; this is the
+  // path the tests use). Throws memtune::Error when the layout's world is not the communicator's
+  // or a piece is missing from `source`.
+  ShardedBase(Backend& backend, Memory& memory, const ShardedBaseLayout& layout, const Memory& source,
+              Communicator& comm, CommStream stream = {});
+  const ShardedBaseLayout& layout() const { return layout_; }
+  // Issues the all-gather of `unit` into gather buffer `buffer` (0 or 1); wait() before reading.
+  void gather(int unit, int buffer);
+  void wait() { comm_.wait(stream_); }
+  // u8 view of piece `piece` of `unit` as gathered into `buffer`; a replicated unit's pieces are
+  // in its shard (the buffer is then ignored).
+  Tensor piece(int unit, int buffer, size_t piece) const;
+  const Tensor& shard(int unit) const { return shards_[static_cast<size_t>(unit)]; }
+
+ private:
+  Backend& backend_;
+  ShardedBaseLayout layout_;
+  Communicator& comm_;
+  CommStream stream_;
+  std::vector<Tensor> shards_;
+  Tensor gather_[ShardedBaseLayout::kGatherBuffers];
+};
+
 // One rank's memory: a rank's plan (plan_run with world_size: flat adapters, ZeRO-1 moment
 // shards) with the frozen base sharded, or not.
 struct RankMemory {
@@ -80,6 +125,7 @@ struct RankMemory {
   uint64_t base_shard_bytes = 0;   // persistent base per rank (frozen_weights + quant_constants)
   uint64_t base_gather_bytes = 0;  // the two gather buffers (counted in frozen_weights)
   uint64_t arena_bytes = 0;     // the arena a rank allocates
+  std::vector<std::string> replicated_units;  // base units kept whole (sharded_base_layout)
   uint64_t peak_live_bytes() const;
 };
 RankMemory rank_memory(const Plan& rank_plan, int world_size, bool shard_base);

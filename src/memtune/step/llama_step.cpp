@@ -606,6 +606,7 @@ void LlamaStep::forward_backward(float loss_grad_scale, uint64_t dropout_seed) {
   for (int l = layers - 1; l >= 0; --l) {
     if (options_.gradient_checkpointing) layer_forward(l, states[l], true, dropout_seed, true);
     layer_backward(l, states[l], d_resid, dropout_seed);
+    if (on_layer_grads_done_) on_layer_grads_done_(l);
     free_layer(states[l], /*keep_input=*/false);
   }
   memory_.free(d_resid);
@@ -646,6 +647,7 @@ void LlamaStep::forward_backward_offloaded(float loss_grad_scale, uint64_t dropo
     state.acts[static_cast<int>(Act::layer_input)] = slots[slot_of(l)];
     layer_forward(l, state, true, dropout_seed, true);
     layer_backward(l, state, d_resid, dropout_seed);
+    if (on_layer_grads_done_) on_layer_grads_done_(l);
     free_layer(state, /*keep_input=*/true);
   }
   memory_.free(d_resid);

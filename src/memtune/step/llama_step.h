@@ -37,6 +37,7 @@
 #pragma once
 
 #include <array>
+#include <functional>
 #include <vector>
 
 #include "memtune/core/memory.h"
@@ -98,9 +99,16 @@ class LlamaStep {
   // Forward and loss only (eval): loss_sum() += sum of token losses.
   void forward_loss();
   const Tensor& loss_sum() const { return loss_sum_; }
+  // Called by forward_backward right after the backward of layer l (last layer first), when
+  // layer l's adapter grads hold this micro-batch's contribution and nothing later in the
+  // backward writes them. Data parallel sets it for a step's last micro-batch so that the
+  // all-reduce of the grad buckets a layer completes is issued while the layers below still
+  // run their backward. Empty (the default): nothing is called.
+  void set_on_layer_grads_done(std::function<void(int layer)> hook) { on_layer_grads_done_ = std::move(hook); }
   const StepOptions& options() const { return options_; }
 
  private:
+  std::function<void(int)> on_layer_grads_done_;
   using LayerActs = std::array<Tensor, kNumActs>;
   using LoraActs = std::array<Tensor, kNumProjections>;
   struct LayerState {

@@ -47,8 +47,12 @@ Engine::Engine(Backend& backend, void* arena, uint64_t arena_bytes, const RunCon
                                              Shape{static_cast<int64_t>(backend.workspace_bytes())})),
       step_(backend_, memory_, model_, run.step_options(), weights_, lora_) {
   backend_.bind_workspace(backend_workspace_);
-  if (is_data_parallel(communicator))
-    data_parallel_ = std::make_unique<DataParallelAdapters>(backend_, memory_, lora_, *communicator);
+  if (is_data_parallel(communicator)) {
+    MT_USER_CHECK(run.ddp_bucket_cap_mb > 0, "ddp_bucket_cap_mb {}: expected a positive size", run.ddp_bucket_cap_mb);
+    DataParallelOptions options;
+    options.bucket_bytes = std::max<uint64_t>(1, static_cast<uint64_t>(run.ddp_bucket_cap_mb * (1 << 20)));
+    data_parallel_ = std::make_unique<DataParallelAdapters>(backend_, memory_, lora_, *communicator, options);
+  }
 }
 
 Engine::~Engine() { backend_.bind_workspace(Tensor{}); }
@@ -286,8 +290,15 @@ StepReport Engine::train_step(const std::vector<HostMicroBatch>& micro_batches) 
     // Data parallel: rank r holds the global micro-batches r, r + world, ... (the trainer's
     // order), and dropout is seeded by the global index, as one rank with all of them would be.
     const uint64_t global_m = m * static_cast<uint64_t>(world_size()) + static_cast<uint64_t>(rank());
-    if (data_parallel_ && m + 1 == micro_batches.size()) data_parallel_->begin_final_backward();
+    // The last micro-batch finishes each layer's grads as its backward passes the layer: the
+    // hook issues the all-reduce of the buckets that layer completes right then.
+    const bool final_backward = data_parallel_ && m + 1 == micro_batches.size();
+    if (final_backward) {
+      data_parallel_->begin_final_backward();
+      step_.set_on_layer_grads_done([this](int layer) { data_parallel_->layer_backward_done(layer); });
+    }
     step_.forward_backward(static_cast<float>(loss_scale / denominator), dropout_hash(seed, global_m));
+    if (final_backward) step_.set_on_layer_grads_done({});
     report.tokens += static_cast<int64_t>(micro_batches[m].input_ids.size());
   }
   // ---- data parallel: grads and loss summed over ranks (every rank then decides alike) ----

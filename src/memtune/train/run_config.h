@@ -40,6 +40,10 @@ struct RunConfig {
   // 2 bytes of device memory (1 GB on Llama 3.1 8B). Needs untied embeddings: a tied LM head
   // would read the table in every GEMM.
   bool offload_embeddings = false;
+  // Data parallel: the cap of one gradient all-reduce bucket in MiB (transformers'
+  // ddp_bucket_cap_mb, PyTorch DDP's bucket_cap_mb; 25 there too). Smaller buckets start
+  // communicating earlier in the backward, larger ones make fewer calls.
+  double ddp_bucket_cap_mb = 25;
   int64_t per_device_train_batch_size = 1;
   int64_t gradient_accumulation_steps = 1;
   int64_t max_seq_length = 256;
