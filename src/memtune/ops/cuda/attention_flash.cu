@@ -11,7 +11,11 @@
 //    Q fragments stay in registers; per key block S = Q K^T, the online softmax in the exp2
 //    domain (scores times scale * log2 e), and O += P V with P taken straight from the S
 //    accumulators (an m16n8 C fragment pair is an m16k16 A fragment). V's load overlaps S, the
-//    next K's load overlaps the softmax and P V.
+//    next K's load overlaps the softmax and P V. This is forward v1, kept selectable
+//    (MEMTUNE_FLASH_FWD=v1, attention_flash.h).
+//  - Forward v2 (the default): 128 queries per block, 4 warps of 32 rows (two m16 tiles share
+//    each K/V fragment), 32 keys per block, K/V double-buffered one key block ahead, Q read from
+//    shared memory per key block, warps above the diagonal skip the block (flash_forward_tc2).
 //  - Backward: D = rowsum(dO * O) and a zeroed fp32 dQ accumulator first; then one block per
 //    (key block, kv head, batch row), which loops over the group's query heads and the query
 //    blocks that see its keys: S^T = K Q^T, P^T = exp2(S^T * scale log2 e - lse log2 e),
@@ -314,12 +318,12 @@ __device__ __forceinline__ uint32_t pack2(float low, float high) {
 
 // A 64 x D tile of rows [row0, row0 + 64) of one head into shared memory (row stride D + 8);
 // rows at or past `valid_rows` are zero-filled. `head` points at row 0 of the tile.
-template <int D>
+template <int D, int kRows = kBlock>
 __device__ __forceinline__ void load_tile(uint32_t tile, const uint16_t* head, int64_t row_stride,
                                           int64_t valid_rows) {
   constexpr int kChunks = D / 8;  // 16-byte pieces per row
 #pragma unroll
-  for (int step = 0; step < kBlock * kChunks / kThreads; ++step) {
+  for (int step = 0; step < kRows * kChunks / kThreads; ++step) {
     const int e = step * kThreads + threadIdx.x;
     const int r = e / kChunks, c = e % kChunks;
     const bool valid = r < valid_rows;
@@ -517,6 +521,259 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+
+// Forward v2 (the default; MEMTUNE_FLASH_FWD=v1 selects the kernel above): 128 queries x 64 keys
+// per block, 4 warps of 32 rows, i.e. two m16 tiles per warp. Every K fragment (S = Q K^T) and
+// every V fragment (O += P V) that a warp loads from shared memory with ldmatrix then feeds two
+// mma.sync instead of one: with 16 rows per warp, shared-memory bandwidth, not the tensor cores,
+// bounded the v1 kernel. The price is registers: O is 32 x D fp32 per warp (D regs/thread at
+// D = 128) and S 32 x 64 (64 regs), so Q is no longer kept in registers but read from shared
+// memory per key block. Warps whose 32 rows see none of a key block (above the diagonal) skip
+// it. Measured, the fragment reuse alone gained nothing (v1 ~200 TFLOP/s at the timing shape,
+// v2 single-buffered 197-199): the kernel waited on global memory. Double-buffering K and V a
+// whole key block ahead gave 215-217.
+constexpr int kFwdRows = 128;
+constexpr int kFwdTiles = 2;  // m16 tiles per warp
+
+template <int D, int kKeys>
+constexpr int forward2_shared_bytes() {
+  return (kFwdRows + 4 * kKeys) * (D + 8) * 2 + (kKeys + kFwdRows) * 4;
+}
+
+// kKeys: keys per block, 64 or 32 (32 halves S's registers: O, S and the rest spill a little
+// past 255 at D = 128 with 64; and 32 fits the 99 KiB of sm_86/89).
+template <int D, bool kBf16, int kKeys>
+__global__ void __launch_bounds__(kThreads, 2)
+    flash_forward_tc2(AttentionParams p, FlashTensors t) {
+  constexpr int kStride = D + 8;
+  constexpr uint32_t kRowBytes = kStride * 2;
+  extern __shared__ __align__(16) uint16_t shared[];
+  int32_t* key_segments = reinterpret_cast<int32_t*>(shared + (kFwdRows + 4 * kKeys) * kStride);
+  // The block's query segments live in shared memory, not in 4 registers per thread.
+  int32_t* query_segments = key_segments + kKeys;
+  const uint32_t q_tile = shared_address(shared);
+  // K and V double-buffered: buffer i holds K at k_tile + i * kBufferBytes, V right after it.
+  // The next block's K and V are fetched while this block computes, a whole iteration ahead:
+  // with one buffer (v1's scheme) each load had only S's or P V's time to land, and the kernel
+  // waited on global memory.
+  constexpr uint32_t kBufferBytes = 2 * kKeys * kRowBytes;
+  const uint32_t k_tile = q_tile + kFwdRows * kRowBytes;
+  const uint32_t v_tile = k_tile + kKeys * kRowBytes;
+
+  const int64_t seq = p.seq, heads = p.n_heads, kv_heads = p.n_kv_heads;
+  const int64_t q_block = gridDim.x - 1 - blockIdx.x;  // the longest rows first
+  const int64_t h = blockIdx.y, b = blockIdx.z, g = h / (heads / kv_heads);
+  const int64_t q0 = q_block * kFwdRows;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int group_id = lane >> 2, thread_in_group = lane & 3;
+  const int32_t* segments_row = p.segments == nullptr ? nullptr : p.segments + b * seq;
+  const float scale_log2 = p.scale * kLog2e;
+
+  const uint16_t* q_head = static_cast<const uint16_t*>(t.q) + ((b * seq + q0) * heads + h) * D;
+  const uint16_t* k_head = static_cast<const uint16_t*>(t.k) + (b * seq * kv_heads + g) * D;
+  const uint16_t* v_head = static_cast<const uint16_t*>(t.v) + (b * seq * kv_heads + g) * D;
+  const int64_t kv_stride = kv_heads * D, q_stride = heads * D;
+
+  // Q as two 64-row halves; a half wholly past the end is zero-filled from a valid address.
+  load_tile<D>(q_tile, q_head, q_stride, seq - q0);
+  load_tile<D>(q_tile + kBlock * kRowBytes, seq - q0 > kBlock ? q_head + kBlock * q_stride : q_head,
+               q_stride, seq - q0 - kBlock);
+  load_tile<D, kKeys>(k_tile, k_head, kv_stride, seq);
+  load_tile<D, kKeys>(v_tile, v_head, kv_stride, seq);
+  cp_async_commit();
+  if (segments_row != nullptr)
+    for (int e = threadIdx.x; e < kFwdRows; e += kThreads)
+      query_segments[e] = q0 + e < seq ? segments_row[q0 + e] : 0;
+
+  const uint32_t q_lane = q_tile + warp * 32 * kRowBytes + rows_a_offset(lane, kStride);
+  const uint32_t k_lane = k_tile + rows_b_offset(lane, kStride);
+  const uint32_t v_lane = v_tile + trans_offset(lane, kStride);
+
+  float o[kFwdTiles][D / 8][4];
+#pragma unroll
+  for (int mt = 0; mt < kFwdTiles; ++mt)
+#pragma unroll
+    for (int dt = 0; dt < D / 8; ++dt) o[mt][dt][0] = o[mt][dt][1] = o[mt][dt][2] = o[mt][dt][3] = 0.0f;
+  // Row state per (m tile, half): rows warp*32 + mt*16 + group_id (+ 8 for the second half).
+  float row_max[kFwdTiles][2], row_sum[kFwdTiles][2];
+#pragma unroll
+  for (int mt = 0; mt < kFwdTiles; ++mt)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      row_max[mt][half] = -INFINITY;
+      row_sum[mt][half] = 0.0f;
+    }
+  const int warp_row0 = warp * 32;  // the warp's first row in the block
+  const int64_t last_key = (q0 + kFwdRows - 1 < seq - 1 ? q0 + kFwdRows - 1 : seq - 1);
+  // 32-bit key offsets (the dispatch keeps seq below 2^31): fewer live registers.
+  const int key_blocks = static_cast<int>(last_key / kKeys + 1);
+
+  #pragma unroll 1  // a run-time loop: unrolling it only multiplies live registers
+  for (int kb = 0; kb < key_blocks; ++kb) {
+    const int k0 = kb * kKeys;
+    const uint32_t buffer = (kb & 1) * kBufferBytes;
+    if (kb + 1 < key_blocks) {  // into the other buffer, free since the last iteration's end
+      const int64_t next = static_cast<int64_t>(k0 + kKeys) * kv_stride;
+      load_tile<D, kKeys>(k_tile + (kBufferBytes - buffer), k_head + next, kv_stride, seq - k0 - kKeys);
+      load_tile<D, kKeys>(v_tile + (kBufferBytes - buffer), v_head + next, kv_stride, seq - k0 - kKeys);
+    }
+    cp_async_commit();  // possibly empty: keeps the group count uniform
+    if (segments_row != nullptr)
+      for (int e = threadIdx.x; e < kKeys; e += kThreads)
+        key_segments[e] = k0 + e < seq ? segments_row[k0 + e] : 0;
+    cp_async_wait<1>();  // K and V of this block (and Q, the first time)
+    __syncthreads();
+
+    const int diagonal = static_cast<int>(q0 - k0);  // key c is visible to row r iff c <= r + diagonal
+    // Whether any of the warp's rows sees any key of the block: its last row sees key 0.
+    const bool active = warp_row0 + 31 + diagonal >= 0;
+    float s[kFwdTiles][kKeys / 8][4];
+    if (active) {
+#pragma unroll
+      for (int mt = 0; mt < kFwdTiles; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < kKeys / 8; ++nt)
+          s[mt][nt][0] = s[mt][nt][1] = s[mt][nt][2] = s[mt][nt][3] = 0.0f;
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        uint32_t a[kFwdTiles][4];
+#pragma unroll
+        for (int mt = 0; mt < kFwdTiles; ++mt) ldmatrix_x4(a[mt], q_lane + mt * 16 * kRowBytes + kk * 32);
+#pragma unroll
+        for (int nt = 0; nt < kKeys / 8; nt += 2) {
+          uint32_t r[4];
+          ldmatrix_x4(r, k_lane + buffer + nt * 8 * kRowBytes + kk * 32);
+#pragma unroll
+          for (int mt = 0; mt < kFwdTiles; ++mt) {
+            mma_16816<kBf16>(s[mt][nt], a[mt], r[0], r[1]);
+            mma_16816<kBf16>(s[mt][nt + 1], a[mt], r[2], r[3]);
+          }
+        }
+      }
+    }
+
+    if (active) {
+      // Online softmax (exp2 domain); masks only where some key of the block lies past the
+      // diagonal for the warp's first row, or where segments are packed.
+      const bool need_mask = segments_row != nullptr || kKeys - 1 > diagonal + warp_row0;
+#pragma unroll
+      for (int mt = 0; mt < kFwdTiles; ++mt) {
+        const int row_a = warp_row0 + mt * 16 + group_id, row_b = row_a + 8;
+        float block_max_a = -INFINITY, block_max_b = -INFINITY;
+#pragma unroll
+        for (int nt = 0; nt < kKeys / 8; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int col = nt * 8 + 2 * thread_in_group + e;
+            float x_a = s[mt][nt][e] * scale_log2, x_b = s[mt][nt][2 + e] * scale_log2;
+            if (need_mask) {
+              const int32_t key_segment = segments_row != nullptr ? key_segments[col] : 0;
+              const int32_t segment_a = segments_row != nullptr ? query_segments[row_a] : 0;
+              const int32_t segment_b = segments_row != nullptr ? query_segments[row_b] : 0;
+              if (col > row_a + diagonal || key_segment != segment_a) x_a = -INFINITY;
+              if (col > row_b + diagonal || key_segment != segment_b) x_b = -INFINITY;
+            }
+            s[mt][nt][e] = x_a;
+            s[mt][nt][2 + e] = x_b;
+            block_max_a = fmaxf(block_max_a, x_a);
+            block_max_b = fmaxf(block_max_b, x_b);
+          }
+        }
+        // The four threads of a quad hold one row between them.
+        block_max_a = fmaxf(block_max_a, __shfl_xor_sync(0xffffffffu, block_max_a, 1));
+        block_max_a = fmaxf(block_max_a, __shfl_xor_sync(0xffffffffu, block_max_a, 2));
+        block_max_b = fmaxf(block_max_b, __shfl_xor_sync(0xffffffffu, block_max_b, 1));
+        block_max_b = fmaxf(block_max_b, __shfl_xor_sync(0xffffffffu, block_max_b, 2));
+        const float new_max_a = fmaxf(row_max[mt][0], block_max_a);
+        const float new_max_b = fmaxf(row_max[mt][1], block_max_b);
+        // A row that has seen nothing yet keeps max -inf; subtracting 0 then keeps exp2 at 0
+        // instead of exp2(-inf - -inf) = NaN.
+        const float base_a = new_max_a == -INFINITY ? 0.0f : new_max_a;
+        const float base_b = new_max_b == -INFINITY ? 0.0f : new_max_b;
+        const float correction_a = exp2f(row_max[mt][0] - base_a);
+        const float correction_b = exp2f(row_max[mt][1] - base_b);
+        row_max[mt][0] = new_max_a;
+        row_max[mt][1] = new_max_b;
+        float local_a = 0.0f, local_b = 0.0f;
+#pragma unroll
+        for (int nt = 0; nt < kKeys / 8; ++nt) {
+          s[mt][nt][0] = exp2f(s[mt][nt][0] - base_a);
+          s[mt][nt][1] = exp2f(s[mt][nt][1] - base_a);
+          s[mt][nt][2] = exp2f(s[mt][nt][2] - base_b);
+          s[mt][nt][3] = exp2f(s[mt][nt][3] - base_b);
+          local_a += s[mt][nt][0] + s[mt][nt][1];
+          local_b += s[mt][nt][2] + s[mt][nt][3];
+        }
+        // Per-thread partial row sums; the quad's are added once at the end.
+        row_sum[mt][0] = row_sum[mt][0] * correction_a + local_a;
+        row_sum[mt][1] = row_sum[mt][1] * correction_b + local_b;
+#pragma unroll
+        for (int dt = 0; dt < D / 8; ++dt) {
+          o[mt][dt][0] *= correction_a;
+          o[mt][dt][1] *= correction_a;
+          o[mt][dt][2] *= correction_b;
+          o[mt][dt][3] *= correction_b;
+        }
+      }
+    }
+
+    if (active) {
+#pragma unroll
+      for (int kc = 0; kc < kKeys / 16; ++kc) {
+        uint32_t a[kFwdTiles][4];
+#pragma unroll
+        for (int mt = 0; mt < kFwdTiles; ++mt) {
+          a[mt][0] = pack2<kBf16>(s[mt][2 * kc][0], s[mt][2 * kc][1]);
+          a[mt][1] = pack2<kBf16>(s[mt][2 * kc][2], s[mt][2 * kc][3]);
+          a[mt][2] = pack2<kBf16>(s[mt][2 * kc + 1][0], s[mt][2 * kc + 1][1]);
+          a[mt][3] = pack2<kBf16>(s[mt][2 * kc + 1][2], s[mt][2 * kc + 1][3]);
+        }
+#pragma unroll
+        for (int dt = 0; dt < D / 8; dt += 2) {
+          uint32_t r[4];
+          ldmatrix_x4_trans(r, v_lane + buffer + kc * 16 * kRowBytes + dt * 16);
+#pragma unroll
+          for (int mt = 0; mt < kFwdTiles; ++mt) {
+            mma_16816<kBf16>(o[mt][dt], a[mt], r[0], r[1]);
+            mma_16816<kBf16>(o[mt][dt + 1], a[mt], r[2], r[3]);
+          }
+        }
+      }
+    }
+    __syncthreads();  // every warp is done with this buffer and key_segments
+  }
+
+#pragma unroll
+  for (int mt = 0; mt < kFwdTiles; ++mt) {
+    const int row_a = warp_row0 + mt * 16 + group_id, row_b = row_a + 8;
+    float sum_a = row_sum[mt][0], sum_b = row_sum[mt][1];
+    sum_a += __shfl_xor_sync(0xffffffffu, sum_a, 1);
+    sum_a += __shfl_xor_sync(0xffffffffu, sum_a, 2);
+    sum_b += __shfl_xor_sync(0xffffffffu, sum_b, 1);
+    sum_b += __shfl_xor_sync(0xffffffffu, sum_b, 2);
+    const float inverse_a = sum_a > 0.0f ? 1.0f / sum_a : 0.0f;
+    const float inverse_b = sum_b > 0.0f ? 1.0f / sum_b : 0.0f;
+    const bool valid_a = q0 + row_a < seq, valid_b = q0 + row_b < seq;
+    const int64_t offset_a = ((b * seq + q0 + row_a) * heads + h) * D + 2 * thread_in_group;
+    const int64_t offset_b = offset_a + 8 * heads * D;
+#pragma unroll
+    for (int dt = 0; dt < D / 8; ++dt) {
+      if (valid_a) {
+        store_float(t.out, t.out_type, offset_a + dt * 8, o[mt][dt][0] * inverse_a);
+        store_float(t.out, t.out_type, offset_a + dt * 8 + 1, o[mt][dt][1] * inverse_a);
+      }
+      if (valid_b) {
+        store_float(t.out, t.out_type, offset_b + dt * 8, o[mt][dt][2] * inverse_b);
+        store_float(t.out, t.out_type, offset_b + dt * 8 + 1, o[mt][dt][3] * inverse_b);
+      }
+    }
+    if (thread_in_group == 0) {
+      float* head_lse = t.lse + (b * heads + h) * seq + q0;
+      if (valid_a) head_lse[row_a] = (row_max[mt][0] + log2f(sum_a)) * kLn2;
+      if (valid_b) head_lse[row_b] = (row_max[mt][1] + log2f(sum_b)) * kLn2;
+    }
+  }
+}
 template <int D>
 constexpr int backward_shared_bytes() {
   // K, V, Q, dO tiles; dS^T [64 keys][64 + 8 queries]; lse * log2 e, D and segments of the
@@ -1213,6 +1470,8 @@ __global__ void __launch_bounds__(256) flash_dq_round_vec(void* dq, const float*
 
 bool aligned16(const void* pointer) { return (reinterpret_cast<uintptr_t>(pointer) & 15) == 0; }
 
+int max_shared_per_block();
+
 template <typename Kernel>
 void allow_shared(Kernel kernel, int bytes) {
   // Set on every launch: cheap, and correct for whichever device is current.
@@ -1227,6 +1486,42 @@ void launch_forward_tc(const AttentionParams& p, const FlashTensors& t, cudaStre
                   static_cast<unsigned>(p.n_heads), static_cast<unsigned>(p.batch));
   flash_forward_tc<D, kBf16><<<grid, kThreads, bytes, stream>>>(p, t);
   MT_CUDA_CHECK_LAUNCH();
+}
+
+template <int D, bool kBf16, int kKeys>
+void launch_forward_tc2(const AttentionParams& p, const FlashTensors& t, cudaStream_t stream) {
+  constexpr int bytes = forward2_shared_bytes<D, kKeys>();
+  allow_shared(flash_forward_tc2<D, kBf16, kKeys>, bytes);
+  const dim3 grid(static_cast<unsigned>((p.seq + kFwdRows - 1) / kFwdRows),
+                  static_cast<unsigned>(p.n_heads), static_cast<unsigned>(p.batch));
+  flash_forward_tc2<D, kBf16, kKeys><<<grid, kThreads, bytes, stream>>>(p, t);
+  MT_CUDA_CHECK_LAUNCH();
+}
+
+// v2's key block: 32 by default (measured on the H200, b8 s2048 h32/8 d128 bf16 causal: 216.9
+// TFLOP/s with 32 keys, 214.6 with 64, whose 255 registers spill); MEMTUNE_FLASH_FWD_KEYS=64
+// selects 64 where it fits, for A/B timing. Read once.
+int forward2_keys() {
+  static const int keys = [] {
+    const char* value = std::getenv("MEMTUNE_FLASH_FWD_KEYS");
+    return value != nullptr && std::strcmp(value, "64") == 0 ? 64 : 32;
+  }();
+  return keys;
+}
+
+template <int D, bool kBf16>
+void launch_forward(const AttentionParams& p, const FlashTensors& t, cudaStream_t stream,
+                    bool v1) {
+  // v2 takes 32-bit key offsets; with 32 keys its shared memory (70 KiB at D = 128) fits every
+  // sm_80+ opt-in limit, with 64 (103 KiB) only sm_80's and sm_90's.
+  const int available = max_shared_per_block();
+  if (v1 || p.seq > 0x7fffffff || forward2_shared_bytes<D, 32>() > available) {
+    launch_forward_tc<D, kBf16>(p, t, stream);
+  } else if (forward2_keys() == 32 || forward2_shared_bytes<D, 64>() > available) {
+    launch_forward_tc2<D, kBf16, 32>(p, t, stream);
+  } else {
+    launch_forward_tc2<D, kBf16, 64>(p, t, stream);
+  }
 }
 
 template <int D, bool kBf16>
@@ -1303,16 +1598,24 @@ std::atomic<bool>& backward_v1_flag() {
   return flag;
 }
 
+// Whether the forward v1 runs (MEMTUNE_FLASH_FWD=v1); read once, at the first use.
+std::atomic<bool>& forward_v1_flag() {
+  static std::atomic<bool> flag{env_selects_v1("MEMTUNE_FLASH_FWD")};
+  return flag;
+}
+
 }  // namespace
 
 FlashVersions flash_versions() {
   FlashVersions versions;
   versions.backward_v1 = backward_v1_flag().load(std::memory_order_relaxed);
+  versions.forward_v1 = forward_v1_flag().load(std::memory_order_relaxed);
   return versions;
 }
 
 void set_flash_versions(const FlashVersions& versions) {
   backward_v1_flag().store(versions.backward_v1, std::memory_order_relaxed);
+  forward_v1_flag().store(versions.forward_v1, std::memory_order_relaxed);
 }
 
 bool attention_flash_uses_tensor_cores(const AttentionParams& p, const FlashTensors& t,
@@ -1331,10 +1634,11 @@ void attention_flash_forward(const AttentionParams& p, const FlashTensors& t,
                              cudaStream_t stream) {
   if (attention_flash_uses_tensor_cores(p, t, false)) {
     const bool bf16 = t.q_type == DType::bf16;
+    const bool v1 = flash_versions().forward_v1;
     if (p.head_dim == 64) {
-      bf16 ? launch_forward_tc<64, true>(p, t, stream) : launch_forward_tc<64, false>(p, t, stream);
+      bf16 ? launch_forward<64, true>(p, t, stream, v1) : launch_forward<64, false>(p, t, stream, v1);
     } else {
-      bf16 ? launch_forward_tc<128, true>(p, t, stream) : launch_forward_tc<128, false>(p, t, stream);
+      bf16 ? launch_forward<128, true>(p, t, stream, v1) : launch_forward<128, false>(p, t, stream, v1);
     }
     return;
   }
