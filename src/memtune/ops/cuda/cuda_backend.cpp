@@ -9,6 +9,8 @@
 #include <memory>
 #include <vector>
 
+#include <fmt/format.h>
+
 #include "memtune/ops/cuda/cuda_check.h"
 #include "memtune/quant/codebook.h"  // quant4bit: the reference's constants
 #include "memtune/ops/device.h"
@@ -77,6 +79,21 @@ void check_rows(const Tensor& t, const AttentionDims& dims, const char* what) {
   MT_ASSERT(t.numel() == dims.batch * dims.n_heads * dims.seq,
             "{} {} is not [batch {}, heads {}, seq {}]", what, t.shape.str(), dims.batch,
             dims.n_heads, dims.seq);
+}
+
+// The shape checks every fused attention backward (flash, cuDNN) shares: the grads, d_out and out
+// match q or k, and lse holds one row per (batch, head, position). `op` prefixes the messages.
+void check_attention_backward_shapes(const char* op, const Tensor& dq, const Tensor& dk,
+                                     const Tensor& dv, const Tensor& d_out, const Tensor& out,
+                                     const Tensor& lse, const Tensor& q, const Tensor& k,
+                                     const AttentionDims& dims) {
+  const auto name = [op](const char* tensor) { return fmt::format("{} {}", op, tensor); };
+  check_same_count(dq, q, name("dq").c_str());
+  check_same_count(d_out, q, name("d_out").c_str());
+  check_same_count(out, q, name("out").c_str());
+  check_same_count(dk, k, name("dk").c_str());
+  check_same_count(dv, k, name("dv").c_str());
+  check_rows(lse, dims, name("lse").c_str());
 }
 
 }  // namespace
@@ -493,12 +510,7 @@ void CudaBackend::attention_flash_backward(const Tensor& dq, const Tensor& dk, c
   check_float_tensor(out, "attention_flash_backward out");
   check_float_tensor(dk, "attention_flash_backward dk");
   check_float_tensor(dv, "attention_flash_backward dv");
-  check_same_count(dq, q, "attention_flash_backward dq");
-  check_same_count(d_out, q, "attention_flash_backward d_out");
-  check_same_count(out, q, "attention_flash_backward out");
-  check_same_count(dk, k, "attention_flash_backward dk");
-  check_same_count(dv, k, "attention_flash_backward dv");
-  check_rows(lse, dims, "attention_flash_backward lse");
+  check_attention_backward_shapes("attention_flash_backward", dq, dk, dv, d_out, out, lse, q, k, dims);
   check_rows(delta_scratch, dims, "attention_flash_backward delta_scratch");
   check_tensor(dq_accum_scratch, DType::f32, "attention_flash_backward dq_accum_scratch");
   check_same_count(dq_accum_scratch, q, "attention_flash_backward dq_accum_scratch");
@@ -582,12 +594,7 @@ void CudaBackend::attention_cudnn_backward(const Tensor& dq, const Tensor& dk, c
                                            const AttentionDims& dims) {
   (void)attention_params(dims, q, k, v, segments);
   // delta_scratch: cuDNN keeps its row sums in its own workspace; only the flash fallback uses it.
-  check_same_count(dq, q, "attention_cudnn_backward dq");
-  check_same_count(d_out, q, "attention_cudnn_backward d_out");
-  check_same_count(out, q, "attention_cudnn_backward out");
-  check_same_count(dk, k, "attention_cudnn_backward dk");
-  check_same_count(dv, k, "attention_cudnn_backward dv");
-  check_rows(lse, dims, "attention_cudnn_backward lse");
+  check_attention_backward_shapes("attention_cudnn_backward", dq, dk, dv, d_out, out, lse, q, k, dims);
   check_tensor(workspace, DType::f32, "attention_cudnn_backward workspace");
   cuda::CudnnSdpaTensors t;
   t.dtype = cudnn_io_dtype({{&q, "q"}, {&k, "k"}, {&v, "v"}, {&out, "out"}, {&d_out, "d_out"},
