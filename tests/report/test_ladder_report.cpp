@@ -619,3 +619,15 @@ TEST(LadderReport, MfuColumnAndNote) {
   EXPECT_CONTAINS(gpu, "41.2%");
   EXPECT_CONTAINS(gpu, "989 TFLOP/s");
 }
+
+TEST(LadderReport, MfuAgainstTheMeasuredGemmRateWhenTheLadderMeasuredIt) {
+  json ladder = runner_on_gpu();
+  // Without the measurement the section is absent.
+  EXPECT_EQ(ladder_markdown(ladder).find("Against the measured GEMM rate"), std::string::npos);
+  ladder["measured_gemm_flops"] = 706.8e12;
+  ladder["measured_gemm_definition"] = "dense bf16 GEMM 8192^3";
+  const std::string md = ladder_markdown(ladder);
+  ASSERT_NE(md.find("**Against the measured GEMM rate**: 706.8 TFLOP/s (dense bf16 GEMM 8192^3)"), std::string::npos) << md;
+  // 41.2% of 989.4 TFLOP/s is 57.7% of 706.8.
+  EXPECT_NE(md.find("| 41.2% | 57.7% |"), std::string::npos) << md;
+}

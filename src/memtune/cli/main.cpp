@@ -324,10 +324,10 @@ int run_cli(int argc, char** argv) {
   ladder_cmd->add_option("--order", order, "comma list of: bf16,gradient_checkpointing,flash,qlora,chunked_loss,micro_batch,seq_halved");
   ladder_cmd->add_option("--steps-per-rung", ladder_steps, "optimizer steps measured per rung")->capture_default_str();
   ladder_cmd->add_option("--device", device)->capture_default_str();
-  std::string ladder_flash_backend = "flash";
+  std::string ladder_flash_backend = "auto";
   ladder_cmd->add_option("--flash-backend", ladder_flash_backend,
-                         "which fused attention the flash trick turns on: flash (memtune's kernel) | cudnn")
-      ->check(CLI::IsMember({"flash", "cudnn"}))
+                         "which fused attention the flash trick turns on: auto (cudnn where available, else flash) | flash (memtune's kernel) | cudnn")
+      ->check(CLI::IsMember({"auto", "flash", "cudnn"}))
       ->capture_default_str();
   ladder_cmd->add_flag("--quiet", quiet, "no progress line on stderr");
   ladder_cmd->add_flag("--isolate", isolate, "also run each trick alone from the baseline, and the full stack without each");

@@ -9,6 +9,7 @@
 #include "memtune/core/bytes.h"
 #include "memtune/core/error.h"
 #include "memtune/model/llama_config.h"
+#include "memtune/ops/backend.h"
 #include "memtune/plan/plan_report.h"
 #include "memtune/report/measure.h"
 #include "memtune/report/progress.h"
@@ -95,7 +96,7 @@ const std::vector<std::string>& ladder_trick_names() {
 nlohmann::json run_ladder(const LadderOptions& options) {
   const ModelSource source = resolve_model(options.base.model);
   const LlamaConfig& model = source.config;
-  const DeviceInfo device = probe_device(options.device);
+  const DeviceInfo device = probe_device(options.device, /*measure_gemm=*/true);
 
   const std::vector<std::string> order = options.order.empty() ? ladder_trick_names() : options.order;
   for (const std::string& name : order) trick_named(name);
@@ -120,12 +121,18 @@ nlohmann::json run_ladder(const LadderOptions& options) {
     return &entries.back().rung;
   };
   add(base, "fp16 baseline", "", "rungs");
-  MT_USER_CHECK(options.flash_backend == "flash" || options.flash_backend == "cudnn",
-                "--flash-backend {}: expected flash or cudnn", options.flash_backend);
-  // The flash trick with the fused backend asked for (the rung keeps its name).
+  MT_USER_CHECK(options.flash_backend == "auto" || options.flash_backend == "flash" ||
+                    options.flash_backend == "cudnn",
+                "--flash-backend {}: expected auto, flash or cudnn", options.flash_backend);
+  // The flash trick with the fused backend asked for (the rung keeps its name). auto: cuDNN's
+  // fused attention where this build and GPU have it (the faster one on the H200: see
+  // bench/NOTES.md), else memtune's own kernel.
+  const std::string flash_backend =
+      options.flash_backend != "auto" ? options.flash_backend
+      : device.target == Device::cuda && cudnn_attention_available() ? "cudnn" : "flash";
   const auto apply = [&](const Trick& t, RunConfig& r) {
     t.apply(r);
-    if (r.attn_implementation == "flash") r.attn_implementation = options.flash_backend;
+    if (r.attn_implementation == "flash") r.attn_implementation = flash_backend;
   };
   RunConfig stacked = base;
   for (const std::string& name : order) {
@@ -200,6 +207,7 @@ nlohmann::json run_ladder(const LadderOptions& options) {
       {"commit", options.commit}, {"date", options.date}, {"budget_bytes", options.budget_bytes}};
   ladder["config"]["steps_per_rung"] = options.steps;
   ladder["config"]["order"] = order;
+  ladder["config"]["flash_backend"] = flash_backend;
   ladder.update(mfu_context_json(device));
   nlohmann::json rungs = nlohmann::json::array();
   for (size_t i = 0; i < cumulative_count; ++i) rungs.push_back(entries[i].rung);

@@ -21,7 +21,7 @@ struct LadderOptions {
   std::vector<std::string> order;  // trick names; empty: the seed's order
   bool isolate = false;            // --isolate: also each trick alone, and each removed
   bool profile = false;            // --profile: one more step per rung with every op timed
-  std::string flash_backend = "flash";  // --flash-backend: the flash trick's attn_implementation (flash | cudnn)
+  std::string flash_backend = "auto";  // --flash-backend: the flash trick's attn_implementation (auto | flash | cudnn)
   bool quiet = false;              // no progress line
   std::filesystem::path metrics;   // --metrics: JSONL of steps and rungs; empty: none
   std::string commit, date;

@@ -199,6 +199,8 @@ Ladder parse_ladder_json(const json& value) {
   ladder.device_peak_flops = json_get_optional<double>(value, "device_peak_flops", context);
   ladder.device_peak_flops_source = json_get_or<std::string>(value, "device_peak_flops_source", "", context);
   ladder.mfu_definition = json_get_or<std::string>(value, "mfu_definition", "", context);
+  ladder.measured_gemm_flops = json_get_optional<double>(value, "measured_gemm_flops", context);
+  ladder.measured_gemm_definition = json_get_or<std::string>(value, "measured_gemm_definition", "", context);
   return ladder;
 }
 
@@ -934,6 +936,20 @@ std::string ladder_markdown(const json& value) {
                           "recompute).\n")
             : ladder.mfu_definition + "\n";
   md += "\n";
+  if (ladder.measured_gemm_flops && ladder.device_peak_flops && *ladder.measured_gemm_flops > 0) {
+    // The same model FLOPs against what the GEMMs reach here rather than the datasheet peak.
+    md += fmt::format("**Against the measured GEMM rate**: {:.1f} TFLOP/s ({}). The same model FLOPs as a share "
+                      "of it:\n\n",
+                      *ladder.measured_gemm_flops / 1e12,
+                      ladder.measured_gemm_definition.empty() ? "definition not recorded" : ladder.measured_gemm_definition);
+    std::vector<std::vector<std::string>> rows;
+    for (const LadderRung& r : ladder.rungs)
+      if (r.mfu && std::isfinite(*r.mfu))
+        rows.push_back({r.name, mfu_text(*r.mfu),
+                        mfu_text(*r.mfu * *ladder.device_peak_flops / *ladder.measured_gemm_flops)});
+    md += markdown_table({"rung", "MFU (peak)", "share of measured GEMM rate"}, rows, {false, true, true});
+    md += "\n";
+  }
 
   if (!ladder.unavailable.empty()) {
     md += "Rungs that this run could not do at all:\n\n";

@@ -113,7 +113,8 @@ struct Ladder {
   std::vector<LadderIsolateEntry> isolate_alone, isolate_removed;
   std::optional<LadderPeerInfo> peer;
   std::optional<double> device_peak_flops;
-  std::string device_peak_flops_source, mfu_definition;
+  std::optional<double> measured_gemm_flops;  // dense bf16 GEMM rate measured in the same process
+  std::string device_peak_flops_source, mfu_definition, measured_gemm_definition;
 };
 
 // Validates and converts; memtune::Error naming the first bad field.

@@ -33,9 +33,34 @@ int cuda_multiprocessor_count() {
   return 0;
 }
 
+// FLOP/s of c = a b^T in bf16 at 8192^3 on this backend: the rate the step's big GEMMs can
+// reach, as bench/bench_gemm.cpp's first row measures it.
+double dense_gemm_flops(Backend& backend) {
+  constexpr int64_t kSide = 8192;
+  constexpr int kIterations = 20;
+  const uint64_t matrix_bytes = static_cast<uint64_t>(kSide * kSide) * 2;
+  void* arena = backend.allocate_arena(3 * matrix_bytes);
+  const auto matrix = [&](int index) {
+    return Tensor{static_cast<char*>(arena) + index * matrix_bytes, DType::bf16, Shape{kSide, kSide},
+                  backend.device()};
+  };
+  const Tensor a = matrix(0), b = matrix(1), c = matrix(2);
+  // Random inputs: a GEMM of zeros runs faster than one of real data.
+  backend.fill_random(a, Backend::Distribution::normal, 0.0f, 1.0f, 11);
+  backend.fill_random(b, Backend::Distribution::normal, 0.0f, 1.0f, 12);
+  for (int i = 0; i < 3; ++i) backend.matmul(c, a, false, b, true, 1.0f, 0.0f);  // warm-up, heuristic
+  backend.synchronize();
+  const auto start = std::chrono::steady_clock::now();
+  for (int i = 0; i < kIterations; ++i) backend.matmul(c, a, false, b, true, 1.0f, 0.0f);
+  backend.synchronize();
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  backend.free_arena(arena);
+  return 2.0 * kSide * kSide * kSide * kIterations / seconds;
+}
+
 }  // namespace
 
-DeviceInfo probe_device(const std::string& option) {
+DeviceInfo probe_device(const std::string& option, bool measure_gemm) {
   DeviceInfo info;
   info.option = option;
   std::unique_ptr<Backend> probe = make_backend(option);
@@ -49,6 +74,7 @@ DeviceInfo probe_device(const std::string& option) {
   // leave 2% of the card for the allocator's own rounding.
   info.capacity_bytes = on_cpu ? 8 * kGiB : device_memory_total(*probe) / 50 * 49;
   info.multiprocessors = on_cpu ? 0 : cuda_multiprocessor_count();
+  if (measure_gemm && !on_cpu) info.measured_gemm_flops = dense_gemm_flops(*probe);
   return info;
 }
 
@@ -59,6 +85,11 @@ nlohmann::json mfu_context_json(const DeviceInfo& device) {
   return {{"device_peak_flops", peak ? nlohmann::json(peak->flops_per_second) : nlohmann::json(nullptr)},
           {"device_peak_flops_device", peak ? nlohmann::json(peak->device) : nlohmann::json(nullptr)},
           {"device_peak_flops_source", peak ? nlohmann::json(peak->source) : nlohmann::json(nullptr)},
+          {"measured_gemm_flops", device.measured_gemm_flops > 0 ? nlohmann::json(device.measured_gemm_flops)
+                                                                  : nlohmann::json(nullptr)},
+          {"measured_gemm_definition",
+           "dense bf16 GEMM 8192 x 8192 x 8192 (c = a b^T, fp32 accumulation) through the backend's matmul, "
+           "mean of 20 after 3 warm-ups, measured in this process before the first rung"},
           {"mfu_definition",
            "mfu = model_flops_per_token x tokens/s / device_peak_flops (dense bf16/fp16 tensor-core peak); "
            "model FLOPs per token = 4 x frozen matmul parameters (forward + backward to the input, LM head "

@@ -28,11 +28,16 @@ struct DeviceInfo {
   uint64_t context_bytes = 0;    // CUDA context + library handles, measured before any arena
   uint64_t capacity_bytes = 0;   // what one run may take: a rung that plans more is plan only
   int multiprocessors = 0;       // SMs the device reports (a MIG slice reports its share); 0 on the CPU
+  double measured_gemm_flops = 0;  // dense bf16 GEMM rate measured by probe_device; 0: not measured
 };
-DeviceInfo probe_device(const std::string& option);
+// measure_gemm: on a GPU, also time the backend's dense bf16 GEMM (8192^3, fp32 accumulation)
+// after the context is measured, so that MFU can be stated against what the GEMMs reach in
+// the same process (about a second; the buffers are freed before anything else runs).
+DeviceInfo probe_device(const std::string& option, bool measure_gemm = false);
 
 // Top-level fields that say how "mfu" was computed: device_peak_flops (bf16/fp16 dense, null
-// when unknown or on the CPU), device_peak_flops_device, device_peak_flops_source, mfu_definition.
+// when unknown or on the CPU), device_peak_flops_device, device_peak_flops_source, mfu_definition,
+// and measured_gemm_flops (null when not measured).
 nlohmann::json mfu_context_json(const DeviceInfo& device);
 
 // "bf16+nf4-base", "flash", "checkpointing", "full-loss", "batch 2 x accumulation 8", "seq 2048".

@@ -1,10 +1,18 @@
 #include "memtune/step/llama_step.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "memtune/model/llama_config.h"
 
 namespace memtune {
+namespace {
+
+// The lm head's backward converts d_logits to the compute dtype this many elements at a time
+// (64 MiB in bf16): a few slices of a few hundred rows, each still a tall GEMM.
+constexpr int64_t kHeadBackwardSliceElements = int64_t{32} << 20;
+
+}  // namespace
 
 LlamaStep::LlamaStep(Backend& backend, Memory& memory, const LlamaConfig& config,
                      const StepOptions& options, const ModelWeights& weights,
@@ -268,6 +276,11 @@ Tensor LlamaStep::layer_forward(int layer, LayerState& s, bool recompute, uint64
   auto act = [&](Act id) -> Tensor& { return a[static_cast<int>(id)]; };
   auto lora_u = [&](Projection p) { return training ? &s.lora_u[static_cast<int>(p)] : nullptr; };
   const float eps = static_cast<float>(config_.rms_norm_eps);
+  // The output first: under checkpointing it outlives everything else this layer allocates, so
+  // placed below them it stacks on the previous layer's output instead of leaving a hole the
+  // size of the layer's working set under it (0.9 GiB at 8B, 2 x 2048, eager attention).
+  Tensor out;
+  if (!recompute) out = out_slot != nullptr ? *out_slot : alloc_layer_output(layer, training);
 
   act(Act::norm1_out) = alloc_act(Act::norm1_out, layer, keep);
   act(Act::norm1_rstd) = alloc_act(Act::norm1_rstd, layer, keep);
@@ -292,7 +305,6 @@ Tensor LlamaStep::layer_forward(int layer, LayerState& s, bool recompute, uint64
           layer, Projection::down, act(Act::swiglu_out), 0, keep, dropout_seed, training);
     return Tensor{};
   }
-  Tensor out = out_slot != nullptr ? *out_slot : alloc_layer_output(layer, training);
   linear_forward(layer, Projection::down, act(Act::swiglu_out), 0, out, lora_u(Projection::down), keep, dropout_seed, training);
   backend_.add(out, out, act(Act::mid));
   return out;
@@ -309,6 +321,9 @@ Tensor LlamaStep::layer_forward_chunked(int layer, LayerState& s, bool recompute
   auto act = [&](Act id) -> Tensor& { return s.acts[static_cast<int>(id)]; };
   const Tensor& x = act(Act::layer_input);
   const float eps = static_cast<float>(config_.rms_norm_eps);
+  // The output first, for the reason given in layer_forward.
+  Tensor out;
+  if (!recompute) out = out_slot != nullptr ? *out_slot : alloc_layer_output(layer, training);
 
   act(Act::q) = alloc_act(Act::q, layer, keep);
   act(Act::k) = alloc_act(Act::k, layer, keep);
@@ -332,7 +347,6 @@ Tensor LlamaStep::layer_forward_chunked(int layer, LayerState& s, bool recompute
   // The backward recomputes the o projection, norm2 and the MLP chunk by chunk.
   if (recompute) return Tensor{};
 
-  Tensor out = out_slot != nullptr ? *out_slot : alloc_layer_output(layer, training);
   for (int64_t begin = 0; begin < tokens_; begin += chunk_rows) {
     const int64_t end = std::min(tokens_, begin + chunk_rows);
     LayerState chunk;
@@ -570,13 +584,26 @@ void LlamaStep::loss_and_head(const Tensor& last_hidden, float loss_grad_scale, 
       continue;
     }
     backend_.cross_entropy_forward_backward(loss_sum_, logits, logits, targets, loss_grad_scale);
-    Tensor d_logits = logits;
-    if (cd != DType::f32) {
-      d_logits = memory_.alloc("loss.d_logits", MemCategory::logits_loss, cd, logits.shape);
-      backend_.convert(d_logits, logits);
+    if (cd == DType::f32) {
+      backend_.matmul(d_normed.slice_rows(begin, end), logits, false, weights_.lm_head, false, 1.0f, 0.0f);
+    } else {
+      // The head's backward GEMM wants d_logits in the compute dtype. Converting the whole
+      // chunk at once would hold a second, half-size copy of the full logits (1 GiB at 4096
+      // tokens x 128,256): convert and multiply a bounded slice of rows at a time instead.
+      const int64_t rows = end - begin;
+      const int64_t wanted = options_.head_backward_slice_rows > 0 ? options_.head_backward_slice_rows
+                                                                    : kHeadBackwardSliceElements / vocab;
+      const int64_t slice = std::clamp<int64_t>(wanted, 1, rows);
+      Tensor d_logits = memory_.alloc("loss.d_logits", MemCategory::logits_loss, cd, Shape{slice, vocab});
+      for (int64_t row = 0; row < rows; row += slice) {
+        const int64_t row_end = std::min(rows, row + slice);
+        const Tensor d_slice = d_logits.slice_rows(0, row_end - row);
+        backend_.convert(d_slice, logits.slice_rows(row, row_end));
+        backend_.matmul(d_normed.slice_rows(begin + row, begin + row_end), d_slice, false,
+                        weights_.lm_head, false, 1.0f, 0.0f);
+      }
+      memory_.free(d_logits);
     }
-    backend_.matmul(d_normed.slice_rows(begin, end), d_logits, false, weights_.lm_head, false, 1.0f, 0.0f);
-    if (cd != DType::f32) memory_.free(d_logits);
     memory_.free(logits);
   }
   memory_.free(normed);
