@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "memtune/io/safetensors.h"
+#include "memtune/ops/backend.h"
 
 namespace fs = std::filesystem;
 using memtune::DType;
@@ -57,6 +58,15 @@ TEST(CliPlan, ActivationsMoveWithCheckpointingAndAttention) {
   EXPECT_EQ(saved(ckpt) / (2ull * 2048 * 4096 * 2), 33ull);
   EXPECT_LT(plan_json(base + "--gradient_checkpointing --attn_implementation flash --loss_implementation chunked")["peak_bytes"].get<uint64_t>(),
             plan_json(base + "--gradient_checkpointing --attn_implementation flash")["peak_bytes"].get<uint64_t>());
+}
+
+TEST(CliPlan, AutoAttentionIsCudnnWhereAvailableElseFlash) {
+  // The test binary runs on the same machine as the memtune it starts: the same answer.
+  const std::string expected = memtune::cudnn_attention_available() ? "cudnn" : "flash";
+  for (const char* name : {"auto", "sdpa"})
+    EXPECT_EQ(plan_json(std::string("--model tiny --attn_implementation ") + name)["run"]["attn_implementation"],
+              expected) << name;
+  EXPECT_EQ(plan_json("--model tiny --attn_implementation flash_attention_2")["run"]["attn_implementation"], "flash");
 }
 
 TEST(CliPlan, Llama31_70bPlansWellUnderASecond) {

@@ -4,6 +4,7 @@
 #include <CLI/CLI.hpp>
 
 #include "memtune/train/run_config.h"
+#include "memtune/ops/backend.h"
 
 namespace memtune {
 
@@ -19,7 +20,7 @@ inline void add_run_options(CLI::App& app, RunConfig& run, RunFlags& flags) {
   app.add_flag("--fp16", flags.fp16, "fp16 base and activations with dynamic loss scaling");
   app.add_flag("--fp32", flags.fp32, "fp32 everything (default)");
   app.add_flag("--gradient_checkpointing,--gradient-checkpointing", run.gradient_checkpointing, "save layer inputs only; recompute in backward");
-  app.add_option("--attn_implementation,--attn-implementation", run.attn_implementation, "eager | flash | cudnn (cuDNN fused attention, CUDA builds with cuDNN)")->capture_default_str();
+  app.add_option("--attn_implementation,--attn-implementation", run.attn_implementation, "eager | flash (memtune's kernel) | cudnn (cuDNN fused attention, CUDA builds with cuDNN) | auto (alias sdpa: cudnn where available, else flash)")->capture_default_str();
   app.add_option("--loss_implementation,--loss-implementation", run.loss_implementation, "full | chunked")->capture_default_str();
   app.add_option("--loss_chunk_tokens", run.loss_chunk_tokens, "tokens per chunk of the chunked loss")->capture_default_str();
   app.add_option("--mlp_chunk_tokens", run.mlp_chunk_tokens, "tokens per chunk of a layer's row-wise parts (norms, projections, LoRA, MLP) where its activations are not saved (checkpointing, eval); 0 = no chunking")->capture_default_str();
@@ -63,8 +64,12 @@ inline void resolve_run_flags(RunConfig& run, const RunFlags& flags) {
   else if (flags.lr_scheduler_type == "cosine") run.lr_scheduler_type = LrSchedule::cosine;
   else mt_fail("--lr_scheduler_type {}: expected constant, linear or cosine", flags.lr_scheduler_type);
   run.quant.type = parse_quant_type(flags.quant_type, "--bnb_4bit_quant_type");
-  if (run.attn_implementation == "flash_attention_2" || run.attn_implementation == "sdpa")
-    run.attn_implementation = "flash";
+  if (run.attn_implementation == "flash_attention_2") run.attn_implementation = "flash";
+  // auto (and sdpa, which in torch picks the fastest fused kernel there is): cuDNN's fused
+  // attention where this build, libcudnn and the GPU have it (the faster one: bench/NOTES.md),
+  // else memtune's own flash kernel.
+  if (run.attn_implementation == "auto" || run.attn_implementation == "sdpa")
+    run.attn_implementation = cudnn_attention_available() ? "cudnn" : "flash";
   run.validate();
 }
 
