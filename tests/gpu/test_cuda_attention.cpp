@@ -8,8 +8,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <functional>
 
 #include "gpu_test_util.h"
+#include "gpu_timing.h"
 #include "memtune/ops/cuda/attention_flash.h"
 #include "memtune/ops/cuda/cuda_ops.h"
 
@@ -21,12 +23,17 @@ using optest::random_tensor;
 struct Config {
   int64_t batch, seq, heads, kv_heads, head_dim;
   bool segments;
+  // q's values lie in [-q_range, q_range]: 1.5 gives scores of a few units; 8 gives rows whose
+  // running max jumps by more than the forward's rescale slack (2^8) between key blocks.
+  double q_range = 1.5;
 };
 
 std::string label(const Config& c, DType type) {
   return "b" + std::to_string(c.batch) + " s" + std::to_string(c.seq) + " h" +
          std::to_string(c.heads) + "/" + std::to_string(c.kv_heads) + " d" +
-         std::to_string(c.head_dim) + (c.segments ? " segs " : " ") + optest::dtype_label(type);
+         std::to_string(c.head_dim) + (c.segments ? " segs " : " ") +
+         (c.q_range != 1.5 ? "q" + std::to_string(static_cast<int>(c.q_range)) + " " : "") +
+         optest::dtype_label(type);
 }
 
 AttentionDims dims_of(const Config& c) {
@@ -64,7 +71,7 @@ Inputs make_inputs(const Config& c, DType type, std::mt19937_64& rng) {
   const int64_t n = c.batch * c.seq;
   Inputs in;
   // Scores of a few units: the softmax is neither flat nor one-hot.
-  in.q = random_tensor(type, Shape{n, c.heads * c.head_dim}, rng, -1.5, 1.5);
+  in.q = random_tensor(type, Shape{n, c.heads * c.head_dim}, rng, -c.q_range, c.q_range);
   in.k = random_tensor(type, Shape{n, c.kv_heads * c.head_dim}, rng, -1.5, 1.5);
   in.v = random_tensor(type, Shape{n, c.kv_heads * c.head_dim}, rng);
   in.d_out = random_tensor(type, Shape{n, c.heads * c.head_dim}, rng);
@@ -159,7 +166,7 @@ TEST_F(CudaAttentionTest, FlashAndEagerMatchCpu) {
       {1, 1, 4, 1, 64, false},  {2, 17, 4, 1, 64, false},  {1, 17, 8, 8, 128, false},
       {2, 100, 8, 2, 128, true}, {1, 130, 8, 1, 64, true},  {1, 33, 2, 1, 16, false},
       {2, 40, 4, 2, 24, true},  {1, 50, 4, 4, 32, false},  {1, 1000, 4, 1, 64, false},
-      {1, 300, 8, 1, 128, false}};
+      {1, 300, 8, 1, 128, false},  {1, 300, 4, 2, 128, false, 8.0}, {1, 200, 4, 4, 64, true, 8.0}};
   for (const Config& c : configs)
     for (DType type : {DType::f32, DType::bf16, DType::f16}) {
       if (type == DType::f16 && c.head_dim != 64 && c.head_dim != 128) continue;
@@ -178,7 +185,8 @@ TEST_F(CudaAttentionTest, FlashAndEagerMatchCpu) {
 TEST_F(CudaAttentionTest, Bf16FlashWithinTwiceEagerError) {
   const Config configs[] = {{2, 17, 8, 2, 64, false},   {1, 1000, 8, 1, 128, false},
                             {1, 1000, 8, 8, 64, true},  {1, 4096, 4, 1, 128, false},
-                            {1, 4096, 8, 1, 64, false}, {2, 257, 32, 4, 128, true}};
+                            {1, 4096, 8, 1, 64, false}, {2, 257, 32, 4, 128, true},
+                            {1, 1000, 8, 2, 128, false, 8.0}, {2, 300, 4, 4, 64, true, 8.0}};
   for (const Config& c : configs) {
     const Inputs in = make_inputs(c, DType::bf16, rng_);
     {
@@ -230,24 +238,7 @@ TEST_F(CudaAttentionTest, TimingPrintFlashVsEager) {
   const Shape matrix{c.batch, c.heads, c.seq, c.seq};
   DeviceTensor probs(gpu(), DType::bf16, matrix), scores(gpu(), DType::bf16, matrix);
 
-  cudaEvent_t start, stop;
-  cudaEventCreate(&start);
-  cudaEventCreate(&stop);
-  auto time_ms = [&](const std::function<void()>& run) {
-    for (int i = 0; i < 2; ++i) run();
-    std::vector<float> times;
-    for (int i = 0; i < 7; ++i) {
-      cudaEventRecord(start);
-      run();
-      cudaEventRecord(stop);
-      cudaEventSynchronize(stop);
-      float ms = 0;
-      cudaEventElapsedTime(&ms, start, stop);
-      times.push_back(ms);
-    }
-    std::sort(times.begin(), times.end());
-    return times[times.size() / 2];
-  };
+  const auto time_ms = [](const std::function<void()>& run) { return median_event_ms(run); };
   const Tensor none;
   const double flash_fwd = time_ms([&] { gpu().attention_flash_forward(out, lse, q, k, v, none, dims); });
   const double flash_bwd = time_ms([&] {
@@ -269,8 +260,6 @@ TEST_F(CudaAttentionTest, TimingPrintFlashVsEager) {
   const double eager_bwd = time_ms([&] {
     gpu().attention_eager_backward(dq, dk, dv, scores, d_out, probs, q, k, v, none, dims);
   });
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
   // Causal FLOPs (half the S x S products): forward 2 GEMMs, backward 5 (FA2's count).
   const double pairs = static_cast<double>(c.batch) * c.heads * c.seq * c.seq / 2.0;
   const double fwd_flops = 4.0 * pairs * c.head_dim, bwd_flops = 10.0 * pairs * c.head_dim;
@@ -286,6 +275,75 @@ TEST_F(CudaAttentionTest, TimingPrintFlashVsEager) {
   std::printf("  eager fwd %8.3f ms %7.1f TFLOP/s | bwd %8.3f ms %7.1f TFLOP/s | fwd+bwd %7.1f TFLOP/s\n",
               eager_fwd, tflops(fwd_flops, eager_fwd), eager_bwd, tflops(bwd_flops, eager_bwd),
               tflops(fwd_flops + bwd_flops, eager_fwd + eager_bwd));
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+}
+
+// A timing print of forward v2's variants (FlashVersions) at the same shape, each one's output
+// also held against the default's (the variants differ only in rounding).
+TEST_F(CudaAttentionTest, TimingPrintFlashForwardVariants) {
+  const Config c{8, 2048, 32, 8, 128, false};
+  const AttentionDims dims = dims_of(c);
+  const Inputs in = make_inputs(c, DType::bf16, rng_);
+  DeviceTensor q = upload(in.q), k = upload(in.k), v = upload(in.v);
+  DeviceTensor out(gpu(), DType::bf16, in.q.shape), lse(gpu(), DType::f32, Shape{c.batch * c.heads * c.seq});
+  const Tensor none;
+  const cuda::FlashVersions defaults = cuda::flash_versions();
+  gpu().attention_flash_forward(out, lse, q, k, v, none, dims);
+  const std::vector<float> reference = out.floats();
+  struct Variant {
+    const char* name;
+    cuda::FlashVersions versions;
+  };
+  std::vector<Variant> variants;
+  auto add = [&](const char* name, auto change) {
+    cuda::FlashVersions versions = defaults;
+    change(versions);
+    variants.push_back({name, versions});
+  };
+  add("default", [](cuda::FlashVersions&) {});
+  add("keys32", [](cuda::FlashVersions& v) { v.forward_keys = 32; });
+  add("keys64", [](cuda::FlashVersions& v) { v.forward_keys = 64; });
+  add("keys32 rescale-always", [](cuda::FlashVersions& v) { v.forward_keys = 32; v.forward_rescale_always = true; });
+  add("keys64 rescale-always", [](cuda::FlashVersions& v) { v.forward_keys = 64; v.forward_rescale_always = true; });
+  add("keys32 slack0", [](cuda::FlashVersions& v) { v.forward_keys = 32; v.forward_rescale_slack = 0; });
+  add("keys64 slack0", [](cuda::FlashVersions& v) { v.forward_keys = 64; v.forward_rescale_slack = 0; });
+  add("keys32 slack8", [](cuda::FlashVersions& v) { v.forward_keys = 32; v.forward_rescale_slack = 8; });
+  add("keys64 slack8", [](cuda::FlashVersions& v) { v.forward_keys = 64; v.forward_rescale_slack = 8; });
+  add("keys32 grid-per-head", [](cuda::FlashVersions& v) { v.forward_keys = 32; v.forward_grid_per_head = true; });
+  add("keys64 grid-per-head", [](cuda::FlashVersions& v) { v.forward_keys = 64; v.forward_grid_per_head = true; });
+  add("v1", [](cuda::FlashVersions& v) { v.forward_v1 = true; });
+  const double fwd_flops = 4.0 * static_cast<double>(c.batch) * c.heads * c.seq * c.seq / 2.0 * c.head_dim;
+  std::printf("TIMING flash forward variants b8 s2048 h32/8 d128 bf16 causal (median of 7):\n");
+  for (const Variant& variant : variants) {
+    cuda::set_flash_versions(variant.versions);
+    const double ms = median_event_ms([&] { gpu().attention_flash_forward(out, lse, q, k, v, none, dims); });
+    // expect_close's double copies of 67M values would take longer than the timing.
+    const std::vector<float> result = out.floats();
+    double difference = 0.0, norm = 0.0;
+    bool finite = true;
+    for (size_t i = 0; i < result.size(); ++i) {
+      finite = finite && std::isfinite(result[i]);
+      difference += (static_cast<double>(result[i]) - reference[i]) * (result[i] - reference[i]);
+      norm += static_cast<double>(reference[i]) * reference[i];
+    }
+    EXPECT_TRUE(finite) << variant.name;
+    EXPECT_LT(std::sqrt(difference / norm), storage_tolerance(DType::bf16)) << variant.name;
+    std::printf("  %-24s fwd %8.3f ms %7.1f TFLOP/s\n", variant.name, ms, fwd_flops / (ms * 1e-3) / 1e12);
+  }
+  // Packed rows (four 512-token documents per row): the kSegments kernels, 64 keys vs 32.
+  std::vector<int32_t> ids(static_cast<size_t>(c.batch * c.seq));
+  for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int32_t>(i % c.seq / 512);
+  DeviceTensor segments = upload(optest::i32_tensor(Shape{c.batch * c.seq}, ids));
+  const double packed_flops = fwd_flops / 4;  // each document is a causal 512 x 512 block
+  for (const int keys : {64, 32}) {
+    cuda::FlashVersions versions = defaults;
+    versions.forward_keys = keys;
+    cuda::set_flash_versions(versions);
+    const double ms = median_event_ms([&] { gpu().attention_flash_forward(out, lse, q, k, v, segments, dims); });
+    std::printf("  segments 4x512 keys%-8d fwd %8.3f ms %7.1f TFLOP/s (useful FLOPs)\n", keys, ms,
+                packed_flops / (ms * 1e-3) / 1e12);
+  }
+  cuda::set_flash_versions(defaults);
   EXPECT_EQ(cudaGetLastError(), cudaSuccess);
 }
 

@@ -12,6 +12,7 @@
 #include <tuple>
 
 #include "gpu_test_util.h"
+#include "gpu_timing.h"
 #include "memtune/ops/cuda/cuda_backend.h"
 #include "memtune/train/engine_arena.h"
 #include "../train/engine_test_util.h"
@@ -214,24 +215,8 @@ TEST_F(CudnnAttentionTest, TimingPrintCudnnVsFlash) {
   DeviceTensor delta(gpu(), DType::f32, Shape{c.batch * c.heads * c.seq}), dq_accum(gpu(), DType::f32, hq.shape);
   DeviceTensor fwd_ws(gpu(), DType::f32, Shape{cudnn_attention_workspace_floats(dims, false)});
   DeviceTensor bwd_ws(gpu(), DType::f32, Shape{cudnn_attention_workspace_floats(dims, true)});
-  cudaEvent_t start, stop;
-  cudaEventCreate(&start);
-  cudaEventCreate(&stop);
-  auto time_ms = [&](const std::function<void()>& run) {
-    for (int i = 0; i < 3; ++i) run();  // the first builds the cuDNN graph
-    std::vector<float> times;
-    for (int i = 0; i < 7; ++i) {
-      cudaEventRecord(start);
-      run();
-      cudaEventRecord(stop);
-      cudaEventSynchronize(stop);
-      float ms = 0;
-      cudaEventElapsedTime(&ms, start, stop);
-      times.push_back(ms);
-    }
-    std::sort(times.begin(), times.end());
-    return times[times.size() / 2];
-  };
+  // The first calls build the cuDNN graphs: three untimed calls.
+  auto time_ms = [](const std::function<void()>& run) { return median_event_ms(run, 3); };
   const Tensor none;
   const double flash_fwd = time_ms([&] { gpu().attention_flash_forward(out, lse, q, k, v, none, dims); });
   const double flash_bwd = time_ms([&] {
@@ -242,8 +227,6 @@ TEST_F(CudnnAttentionTest, TimingPrintCudnnVsFlash) {
   const double cudnn_bwd = time_ms([&] {
     gpu().attention_cudnn_backward(dq, dk, dv, delta, bwd_ws, d_out, out, lse, q, k, v, none, dims);
   });
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
   // Causal FLOPs (half the S x S products): forward 2 GEMMs, backward 5 (FA2's count).
   const double pairs = static_cast<double>(c.batch) * c.heads * c.seq * c.seq / 2.0;
   const double fwd_flops = 4.0 * pairs * c.head_dim, bwd_flops = 10.0 * pairs * c.head_dim;

@@ -10,6 +10,13 @@ namespace memtune::cuda {
 struct FlashVersions {
   bool backward_v1 = false;
   bool forward_v1 = false;
+  // Forward v2's variants, for A/B timing (the defaults are the measured best):
+  int forward_keys = 0;                 // keys per block: 32 or 64 (where shared memory allows),
+                                        // 0 the default; MEMTUNE_FLASH_FWD_KEYS sets the start value
+  bool forward_grid_per_head = false;   // heaviest query blocks first per head, not grid-wide
+  bool forward_rescale_always = false;  // rescale O every key block, not only where a max moved
+  int forward_rescale_slack = 8;        // a row's running max (log2 units) moves only when a
+                                        // key block's exceeds it by more than this
 };
 
 FlashVersions flash_versions();
