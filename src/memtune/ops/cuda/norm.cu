@@ -2,15 +2,130 @@
 // ops/cpu/norm.cpp). One block per row; the row's sums are block reductions in fp32. The forward
 // rounds the normalised value to x's dtype before the weight multiply, as HF does.
 //
-// Aliasing: in the backward every element of dx is written by the thread that read x, dy (and
-// dx) at that index, after the block's reduction over the whole row, so dx may alias dy or x.
+// One dtype for x, weight and out (dx and dy: the step's case) runs a kernel instantiated for it
+// that holds its share of the row in registers: the row is read from memory once, reduced, and
+// written once. A thread holds kChunksPerThread chunks, each a 16-byte pack of kPack elements
+// (when hidden is a multiple of kPack and every pointer is 16-byte aligned, so that every row
+// is) or, else, one element; the block has as many threads as that takes, up to kMaxRowThreads
+// (vector rows up to 16384 elements, others up to 8192). Wider rows and other dtype mixes run the generic
+// kernels below, which read the row twice with a run-time dtype switch.
+//
+// Aliasing: in the backward every element of dx is written after the block's reduction over the
+// whole row, which follows every read of x and dy, and dx's old value (accumulate) is read by the
+// thread that writes it; so dx may alias dy or x.
 #include "memtune/ops/cuda/cuda_common.h"
 #include "memtune/ops/cuda/cuda_ops.h"
+#include "memtune/ops/cuda/cuda_vector.h"
 
 namespace memtune::cuda {
 namespace {
 
 constexpr int kThreads = 256;
+
+constexpr int kMaxRowThreads = 512;
+constexpr int kChunksPerThread = 4;         // vector rows: 4 packs, 32 values per thread
+constexpr int kScalarChunksPerThread = 16;  // other rows: 16 single elements per thread
+
+// Element index of chunk k of this thread: chunks are interleaved across the block, so that each
+// warp's accesses are contiguous.
+template <int kWidth>
+__device__ __forceinline__ int64_t chunk_begin(int k) {
+  return (static_cast<int64_t>(k) * blockDim.x + threadIdx.x) * kWidth;
+}
+
+template <typename T, int kWidth, int kChunks>
+__global__ void __launch_bounds__(kMaxRowThreads)
+    rmsnorm_forward_rows_kernel(T* out, float* rstd, const T* x, const T* weight, int64_t hidden,
+                                float eps) {
+  __shared__ float shared[32];
+  const int64_t offset = static_cast<int64_t>(blockIdx.x) * hidden;
+  float values[kChunks][kWidth];
+  float sum = 0.0f;
+#pragma unroll
+  for (int k = 0; k < kChunks; ++k) {
+    const int64_t begin = chunk_begin<kWidth>(k);
+    if (begin < hidden) {
+      load_chunk<kWidth>(x + offset + begin, values[k]);
+#pragma unroll
+      for (int e = 0; e < kWidth; ++e) sum = fmaf(values[k][e], values[k][e], sum);
+    }
+  }
+  sum = block_sum(sum, shared);
+  const float r = 1.0f / sqrtf(sum / static_cast<float>(hidden) + eps);
+  if (threadIdx.x == 0) rstd[blockIdx.x] = r;
+#pragma unroll
+  for (int k = 0; k < kChunks; ++k) {
+    const int64_t begin = chunk_begin<kWidth>(k);
+    if (begin < hidden) {
+      float w[kWidth];
+      load_chunk<kWidth>(weight + begin, w);
+#pragma unroll
+      for (int e = 0; e < kWidth; ++e) values[k][e] = w[e] * round_through<T>(values[k][e] * r);
+      store_chunk<kWidth>(out + offset + begin, values[k]);
+    }
+  }
+}
+
+template <typename T, int kWidth, int kChunks>
+__global__ void __launch_bounds__(kMaxRowThreads)
+    rmsnorm_backward_rows_kernel(T* dx, const T* dy, const T* x, const T* weight,
+                                 const float* rstd, int64_t hidden, bool accumulate) {
+  __shared__ float shared[32];
+  const int64_t offset = static_cast<int64_t>(blockIdx.x) * hidden;
+  float xs[kChunks][kWidth], dn[kChunks][kWidth];
+  float projection = 0.0f;
+#pragma unroll
+  for (int k = 0; k < kChunks; ++k) {
+    const int64_t begin = chunk_begin<kWidth>(k);
+    if (begin < hidden) {
+      float w[kWidth];
+      load_chunk<kWidth>(x + offset + begin, xs[k]);
+      load_chunk<kWidth>(dy + offset + begin, dn[k]);
+      load_chunk<kWidth>(weight + begin, w);
+#pragma unroll
+      for (int e = 0; e < kWidth; ++e) {
+        dn[k][e] *= w[e];
+        projection = fmaf(dn[k][e], xs[k][e], projection);
+      }
+    }
+  }
+  projection = block_sum(projection, shared) / static_cast<float>(hidden);
+  const float r = rstd[blockIdx.x];
+  const float x_coefficient = r * r * r * projection;
+#pragma unroll
+  for (int k = 0; k < kChunks; ++k) {
+    const int64_t begin = chunk_begin<kWidth>(k);
+    if (begin < hidden) {
+      float previous[kWidth];
+      if (accumulate) load_chunk<kWidth>(dx + offset + begin, previous);
+#pragma unroll
+      for (int e = 0; e < kWidth; ++e) {
+        dn[k][e] = r * dn[k][e] - x_coefficient * xs[k][e];
+        if (accumulate) dn[k][e] += previous[e];
+      }
+      store_chunk<kWidth>(dx + offset + begin, dn[k]);
+    }
+  }
+}
+
+// The launch shape of the register kernels for a row of `hidden` elements: vector or not and the
+// threads per block, or threads == 0 where the row is too wide for them.
+struct RowLaunch {
+  bool vector = false;
+  int threads = 0;
+};
+
+RowLaunch row_launch(int64_t hidden, bool pointers_aligned) {
+  RowLaunch launch;
+  launch.vector = pointers_aligned && hidden % kPack == 0;
+  const int64_t chunks = launch.vector ? hidden / kPack : hidden;
+  const int64_t per_thread = launch.vector ? kChunksPerThread : kScalarChunksPerThread;
+  int64_t threads = (chunks + per_thread - 1) / per_thread;
+  threads = (threads + 31) / 32 * 32;
+  if (threads < 32) threads = 32;
+  launch.threads = threads <= kMaxRowThreads ? static_cast<int>(threads) : 0;
+  return launch;
+}
 
 __global__ void __launch_bounds__(kThreads)
     rmsnorm_forward_kernel(void* out, DType out_type, float* rstd, const void* x, DType x_type,
@@ -59,12 +174,31 @@ void launch_rmsnorm_forward(void* out, DType out_type, float* rstd, const void* 
                             const void* weight, DType weight_type, int64_t rows, int64_t hidden,
                             float eps, cudaStream_t stream) {
   if (rows == 0) return;
+  const RowLaunch launch =
+      row_launch(hidden, is_aligned_16(out) && is_aligned_16(x) && is_aligned_16(weight));
+  const bool try_typed = !generic_kernels_only() && launch.threads > 0 && out_type == x_type &&
+                         weight_type == x_type;
   for (int64_t begin = 0; begin < rows; begin += INT32_MAX) {
     const int64_t count = rows - begin < INT32_MAX ? rows - begin : INT32_MAX;
-    rmsnorm_forward_kernel<<<static_cast<unsigned>(count), kThreads, 0, stream>>>(
-        static_cast<char*>(out) + begin * hidden * dtype_size(out_type), out_type, rstd + begin,
-        static_cast<const char*>(x) + begin * hidden * dtype_size(x_type), x_type, weight,
-        weight_type, hidden, eps);
+    void* out_rows = static_cast<char*>(out) + begin * hidden * dtype_size(out_type);
+    const void* x_rows = static_cast<const char*>(x) + begin * hidden * dtype_size(x_type);
+    const bool typed = try_typed && with_float_type(x_type, [&](auto tag) {
+      using T = typename decltype(tag)::type;
+      const unsigned blocks = static_cast<unsigned>(count);
+      if (launch.vector)
+        rmsnorm_forward_rows_kernel<T, kPack, kChunksPerThread>
+            <<<blocks, launch.threads, 0, stream>>>(
+                static_cast<T*>(out_rows), rstd + begin, static_cast<const T*>(x_rows),
+                static_cast<const T*>(weight), hidden, eps);
+      else
+        rmsnorm_forward_rows_kernel<T, 1, kScalarChunksPerThread>
+            <<<blocks, launch.threads, 0, stream>>>(
+                static_cast<T*>(out_rows), rstd + begin, static_cast<const T*>(x_rows),
+                static_cast<const T*>(weight), hidden, eps);
+    });
+    if (!typed)
+      rmsnorm_forward_kernel<<<static_cast<unsigned>(count), kThreads, 0, stream>>>(
+          out_rows, out_type, rstd + begin, x_rows, x_type, weight, weight_type, hidden, eps);
     MT_CUDA_CHECK_LAUNCH();
   }
 }
@@ -74,13 +208,35 @@ void launch_rmsnorm_backward(void* dx, DType dx_type, const void* dy, DType dy_t
                              const float* rstd, int64_t rows, int64_t hidden, bool accumulate,
                              cudaStream_t stream) {
   if (rows == 0) return;
+  const RowLaunch launch = row_launch(hidden, is_aligned_16(dx) && is_aligned_16(dy) &&
+                                                  is_aligned_16(x) && is_aligned_16(weight));
+  const bool try_typed = !generic_kernels_only() && launch.threads > 0 && dx_type == x_type &&
+                         dy_type == x_type && weight_type == x_type;
   for (int64_t begin = 0; begin < rows; begin += INT32_MAX) {
     const int64_t count = rows - begin < INT32_MAX ? rows - begin : INT32_MAX;
-    rmsnorm_backward_kernel<<<static_cast<unsigned>(count), kThreads, 0, stream>>>(
-        static_cast<char*>(dx) + begin * hidden * dtype_size(dx_type), dx_type,
-        static_cast<const char*>(dy) + begin * hidden * dtype_size(dy_type), dy_type,
-        static_cast<const char*>(x) + begin * hidden * dtype_size(x_type), x_type, weight,
-        weight_type, rstd + begin, hidden, accumulate);
+    void* dx_rows = static_cast<char*>(dx) + begin * hidden * dtype_size(dx_type);
+    const void* dy_rows = static_cast<const char*>(dy) + begin * hidden * dtype_size(dy_type);
+    const void* x_rows = static_cast<const char*>(x) + begin * hidden * dtype_size(x_type);
+    const bool typed = try_typed && with_float_type(x_type, [&](auto tag) {
+      using T = typename decltype(tag)::type;
+      const unsigned blocks = static_cast<unsigned>(count);
+      if (launch.vector)
+        rmsnorm_backward_rows_kernel<T, kPack, kChunksPerThread>
+            <<<blocks, launch.threads, 0, stream>>>(
+                static_cast<T*>(dx_rows), static_cast<const T*>(dy_rows),
+                static_cast<const T*>(x_rows), static_cast<const T*>(weight), rstd + begin,
+                hidden, accumulate);
+      else
+        rmsnorm_backward_rows_kernel<T, 1, kScalarChunksPerThread>
+            <<<blocks, launch.threads, 0, stream>>>(
+                static_cast<T*>(dx_rows), static_cast<const T*>(dy_rows),
+                static_cast<const T*>(x_rows), static_cast<const T*>(weight), rstd + begin,
+                hidden, accumulate);
+    });
+    if (!typed)
+      rmsnorm_backward_kernel<<<static_cast<unsigned>(count), kThreads, 0, stream>>>(
+          dx_rows, dx_type, dy_rows, dy_type, x_rows, x_type, weight, weight_type, rstd + begin,
+          hidden, accumulate);
     MT_CUDA_CHECK_LAUNCH();
   }
 }
