@@ -267,9 +267,10 @@ TEST_F(CudaTest, Embedding) {
         }
 }
 
-// Hidden sizes for the row kernels: tiny, odd (scalar register path), multiples of 8 (vector
-// register path, up to its 16384 limit), and past each limit (generic two-pass kernel).
-constexpr int64_t kNormHiddens[] = {13, 64, 4095, 4096, 4097, 8192, 8200, 12289, 16384, 16392};
+// Hidden sizes for the row kernels: tiny, odd (scalar register path, up to its 8192 limit),
+// multiples of 8 (vector register path, up to its 32768 limit), and past each limit (generic
+// two-pass kernel).
+constexpr int64_t kNormHiddens[] = {13, 64, 4095, 4096, 4097, 8191, 8192, 8200, 8201, 16392, 32768, 32776};
 
 TEST_F(CudaTest, RmsNorm) {
   for (bool generic : kPaths)

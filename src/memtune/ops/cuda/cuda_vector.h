@@ -63,6 +63,46 @@ __device__ __forceinline__ float round_through(float value) {
 // is 16-byte aligned stays so at p + i * kPack for every i.
 constexpr int kPack = 8;
 
+// A pack as loaded, its bits not yet widened to fp32: half the registers of the floats for the
+// 16-bit types, for kernels that hold data across a reduction (rmsnorm).
+template <typename T>
+struct RawPack {
+  uint4 bits[sizeof(T) * kPack / 16];
+};
+
+template <typename T>
+__device__ __forceinline__ RawPack<T> load_raw_pack(const T* p) {
+  RawPack<T> raw;
+#pragma unroll
+  for (int i = 0; i < static_cast<int>(sizeof(raw.bits) / sizeof(uint4)); ++i)
+    raw.bits[i] = reinterpret_cast<const uint4*>(p)[i];
+  return raw;
+}
+
+__device__ __forceinline__ void unpack(const RawPack<float>& raw, float (&v)[kPack]) {
+  const float* f = reinterpret_cast<const float*>(raw.bits);
+#pragma unroll
+  for (int i = 0; i < kPack; ++i) v[i] = f[i];
+}
+// bf16 is the top half of an f32: widening is a shift or a mask of each 32-bit word (element 2i
+// in the low half, as in memory), exact, and without the conversion instructions' temporaries.
+__device__ __forceinline__ void unpack(const RawPack<__nv_bfloat16>& raw, float (&v)[kPack]) {
+  const uint32_t* words = reinterpret_cast<const uint32_t*>(raw.bits);
+#pragma unroll
+  for (int i = 0; i < kPack / 2; ++i) {
+    v[2 * i] = __uint_as_float(words[i] << 16);
+    v[2 * i + 1] = __uint_as_float(words[i] & 0xffff0000u);
+  }
+}
+__device__ __forceinline__ void unpack(const RawPack<__half>& raw, float (&v)[kPack]) {
+  const __half2* pairs = reinterpret_cast<const __half2*>(raw.bits);
+#pragma unroll
+  for (int i = 0; i < kPack / 2; ++i) {
+    const float2 f = __half22float2(pairs[i]);
+    v[2 * i] = f.x, v[2 * i + 1] = f.y;
+  }
+}
+
 __device__ __forceinline__ void load_pack(const float* p, float (&v)[kPack]) {
   const float4 a = reinterpret_cast<const float4*>(p)[0];
   const float4 b = reinterpret_cast<const float4*>(p)[1];
