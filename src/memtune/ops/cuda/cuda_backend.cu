@@ -2,15 +2,71 @@
 // the deterministic reductions (sum_squares and the fixed-order sums that cross_entropy uses).
 // The CudaBackend class itself, which checks Tensors and calls these, is in cuda_backend.cpp
 // (cuda_ops.h says why).
+//
+// fill, convert, add and scale have typed kernels (cuda_vector.h) for the dtype mixes the step
+// uses: one dtype throughout (the residual adds, scale of f32 grads, fill), and every pair of
+// distinct float dtypes for convert (LoRA weights f32 -> compute dtype and back). The kernels
+// with a run-time dtype switch below serve every other mix.
+#include <atomic>
 #include <cmath>
 
 #include "memtune/ops/cuda/cuda_common.h"
 #include "memtune/ops/cuda/cuda_ops.h"
+#include "memtune/ops/cuda/cuda_vector.h"
 
 namespace memtune::cuda {
 namespace {
 
 constexpr int kThreads = 256;
+
+std::atomic<bool> generic_only_flag{false};
+
+template <typename T>
+__global__ void fill_typed_kernel(T* dst, int64_t n, bool vector, float value) {
+  for_each_chunk(n, vector, [&](int64_t i, auto width) {
+    constexpr int W = decltype(width)::value;
+    float v[W];
+#pragma unroll
+    for (int k = 0; k < W; ++k) v[k] = value;
+    store_chunk<W>(dst + i, v);
+  });
+}
+
+template <typename TDst, typename TSrc>
+__global__ void convert_typed_kernel(TDst* dst, const TSrc* src, int64_t n, bool vector) {
+  for_each_chunk(n, vector, [&](int64_t i, auto width) {
+    constexpr int W = decltype(width)::value;
+    float v[W];
+    load_chunk<W>(src + i, v);
+    store_chunk<W>(dst + i, v);
+  });
+}
+
+// Each thread loads a and b at its chunk before it stores dst there: dst may alias a or b.
+template <typename T>
+__global__ void add_typed_kernel(T* dst, const T* a, const T* b, int64_t n, bool vector) {
+  for_each_chunk(n, vector, [&](int64_t i, auto width) {
+    constexpr int W = decltype(width)::value;
+    float va[W], vb[W];
+    load_chunk<W>(a + i, va);
+    load_chunk<W>(b + i, vb);
+#pragma unroll
+    for (int k = 0; k < W; ++k) va[k] += vb[k];
+    store_chunk<W>(dst + i, va);
+  });
+}
+
+template <typename T>
+__global__ void scale_typed_kernel(T* dst, int64_t n, bool vector, float value) {
+  for_each_chunk(n, vector, [&](int64_t i, auto width) {
+    constexpr int W = decltype(width)::value;
+    float v[W];
+    load_chunk<W>(dst + i, v);
+#pragma unroll
+    for (int k = 0; k < W; ++k) v[k] *= value;
+    store_chunk<W>(dst + i, v);
+  });
+}
 
 __global__ void fill_kernel(void* dst, DType dst_type, int64_t n, float value) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
@@ -105,8 +161,25 @@ __global__ void add_sum_kernel(float* acc, const float* values, int64_t n) {
 
 }  // namespace
 
+void set_generic_kernels_only(bool generic_only) {
+  generic_only_flag.store(generic_only, std::memory_order_relaxed);
+}
+bool generic_kernels_only() { return generic_only_flag.load(std::memory_order_relaxed); }
+
 void launch_fill(void* dst, DType dst_type, int64_t n, float value, cudaStream_t stream) {
   if (n == 0) return;
+  if (!generic_kernels_only()) {
+    const bool vector = is_aligned_16(dst);
+    const bool typed = with_float_type(dst_type, [&](auto tag) {
+      using T = typename decltype(tag)::type;
+      fill_typed_kernel<T><<<grid_for_chunks(n, vector, kThreads), kThreads, 0, stream>>>(
+          static_cast<T*>(dst), n, vector, value);
+    });
+    if (typed) {
+      MT_CUDA_CHECK_LAUNCH();
+      return;
+    }
+  }
   fill_kernel<<<grid_for(n, kThreads), kThreads, 0, stream>>>(dst, dst_type, n, value);
   MT_CUDA_CHECK_LAUNCH();
 }
@@ -120,6 +193,23 @@ void launch_convert(void* dst, DType dst_type, const void* src, DType src_type, 
                                     cudaMemcpyDefault, stream));
     return;
   }
+  if (!generic_kernels_only()) {
+    const bool vector = is_aligned_16(dst) && is_aligned_16(src);
+    bool typed = false;
+    with_float_type(dst_type, [&](auto dst_tag) {
+      typed = with_float_type(src_type, [&](auto src_tag) {
+        using TDst = typename decltype(dst_tag)::type;
+        using TSrc = typename decltype(src_tag)::type;
+        convert_typed_kernel<TDst, TSrc>
+            <<<grid_for_chunks(n, vector, kThreads), kThreads, 0, stream>>>(
+                static_cast<TDst*>(dst), static_cast<const TSrc*>(src), n, vector);
+      });
+    });
+    if (typed) {
+      MT_CUDA_CHECK_LAUNCH();
+      return;
+    }
+  }
   convert_kernel<<<grid_for(n, kThreads), kThreads, 0, stream>>>(dst, dst_type, src, src_type,
                                                                   n);
   MT_CUDA_CHECK_LAUNCH();
@@ -128,6 +218,18 @@ void launch_convert(void* dst, DType dst_type, const void* src, DType src_type, 
 void launch_add(void* dst, DType dst_type, const void* a, DType a_type, const void* b,
                 DType b_type, int64_t n, cudaStream_t stream) {
   if (n == 0) return;
+  if (!generic_kernels_only() && a_type == dst_type && b_type == dst_type) {
+    const bool vector = is_aligned_16(dst) && is_aligned_16(a) && is_aligned_16(b);
+    const bool typed = with_float_type(dst_type, [&](auto tag) {
+      using T = typename decltype(tag)::type;
+      add_typed_kernel<T><<<grid_for_chunks(n, vector, kThreads), kThreads, 0, stream>>>(
+          static_cast<T*>(dst), static_cast<const T*>(a), static_cast<const T*>(b), n, vector);
+    });
+    if (typed) {
+      MT_CUDA_CHECK_LAUNCH();
+      return;
+    }
+  }
   add_kernel<<<grid_for(n, kThreads), kThreads, 0, stream>>>(dst, dst_type, a, a_type, b, b_type,
                                                               n);
   MT_CUDA_CHECK_LAUNCH();
@@ -135,6 +237,18 @@ void launch_add(void* dst, DType dst_type, const void* a, DType a_type, const vo
 
 void launch_scale(void* dst, DType dst_type, int64_t n, float value, cudaStream_t stream) {
   if (n == 0) return;
+  if (!generic_kernels_only()) {
+    const bool vector = is_aligned_16(dst);
+    const bool typed = with_float_type(dst_type, [&](auto tag) {
+      using T = typename decltype(tag)::type;
+      scale_typed_kernel<T><<<grid_for_chunks(n, vector, kThreads), kThreads, 0, stream>>>(
+          static_cast<T*>(dst), n, vector, value);
+    });
+    if (typed) {
+      MT_CUDA_CHECK_LAUNCH();
+      return;
+    }
+  }
   scale_kernel<<<grid_for(n, kThreads), kThreads, 0, stream>>>(dst, dst_type, n, value);
   MT_CUDA_CHECK_LAUNCH();
 }

@@ -16,6 +16,13 @@
 namespace memtune::cuda {
 
 // ---- elementwise (cuda_backend.cu) ---------------------------------------------------------
+// The bandwidth-bound kernels (fill, convert, add, scale, embedding, rmsnorm, rope, swiglu) run
+// a kernel instantiated for their dtypes with 16-byte accesses (cuda_vector.h), and a generic
+// kernel that switches on the dtypes at run time for the other dtype mixes. This process-wide
+// switch sends every launch to the generic kernels: the tests check both paths with it and the
+// bandwidth test times one against the other. Off by default.
+void set_generic_kernels_only(bool generic_only);
+bool generic_kernels_only();
 void launch_fill(void* dst, DType dst_type, int64_t n, float value, cudaStream_t stream);
 void launch_convert(void* dst, DType dst_type, const void* src, DType src_type, int64_t n,
                     cudaStream_t stream);
