@@ -11,6 +11,8 @@
 #       ladder     the memory ladder, Llama-3.1-8B architecture (random weights), b2 x 2048
 #       peer       bench/peer_hf.py: transformers + PEFT (+ bitsandbytes) on the same rungs
 #       bench      the op benchmarks in BIN_DIR (bench_*), where built
+#       fullstack  single 8B training runs at the ladder's shape: the full stack (auto and 1024-row
+#                  token chunks) and the flash rung with activation + embedding offload
 #       longctx    Llama-3.1-8B QLoRA (full stack) at batch 1 x LONG_SEQ (default 131072) with
 #                  --offload_activations --offload_embeddings under --vram 24GiB for LONG_STEPS
 #                  (default 3) steps, device peak sampled by nvidia-smi, host memory from the
@@ -123,6 +125,32 @@ if has_part bench; then
     echo "$(basename "$b") exit $?"; tail -30 "$WORK/$(basename "$b").log"
   done
 fi
+if has_part fullstack; then
+  stamp fullstack
+  # Single runs at the ladder's shape (b2 x acc2 x 2048, 8B, random weights), 6 steps each; tokens/s
+  # = mean of steps 2..6 from --metrics, device peak = nvidia-smi maximum sampled every 100 ms.
+  #   full-stack-*   QLoRA + checkpointing + fused attention (auto: cuDNN) + chunked loss + host
+  #                  embeddings, token chunks auto or 1024 rows
+  #   flash-rung-offload  the ladder's flash rung (bf16, checkpointing, fused attention, full loss)
+  #                  with host embeddings and the checkpointed layer inputs offloaded to the host
+  F="$WORK/fullstack"; mkdir -p "$F"
+  COMMON="--device cuda --model llama-3.1-8b --batch 2 --accum ${LADDER_ACCUM:-2} --seq 2048 --lora_r 16 --lora_alpha 16 --max_steps 6 --quiet"
+  STACK="--load_in_4bit --bf16 --gradient_checkpointing --attn_implementation auto --loss_implementation chunked --offload_embeddings"
+  for variant in "full-stack-auto|$STACK" "full-stack-1024|$STACK --mlp_chunk_tokens 1024" \
+                 "flash-rung-offload|--bf16 --gradient_checkpointing --attn_implementation auto --offload_embeddings --offload_activations"; do
+    name=${variant%%|*}; args=${variant#*|}
+    nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 100 > "$F/$name.smi" 2>&1 &
+    SAMPLER=$!
+    timeout 180 "$BIN_DIR/memtune" train $COMMON $args --metrics "$F/$name.jsonl" --out "$F/out" > "$F/$name.log" 2>&1
+    rc=$?
+    kill $SAMPLER 2>/dev/null; wait $SAMPLER 2>/dev/null
+    [ $rc -ne 0 ] && status=1
+    tps=$(python3 -c "import json,sys; r=[json.loads(l) for l in open(sys.argv[1]) if '\"event\":\"step\"' in l]; t=[x['tokens_per_second'] for x in r[1:]]; print(round(sum(t)/len(t)) if t else 'n/a')" "$F/$name.jsonl" 2>/dev/null)
+    echo "$name exit $rc: tokens/s (steps 2..6) $tps, device peak $(sort -n "$F/$name.smi" | tail -1) MiB"
+    rm -rf "$F/out"
+  done
+fi
+
 if has_part longctx; then
   stamp longctx
   L="$WORK/longctx"; mkdir -p "$L"
