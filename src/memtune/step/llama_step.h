@@ -45,6 +45,7 @@
 #include "memtune/model/model_weights.h"
 #include "memtune/ops/backend.h"
 #include "memtune/step/activations.h"
+#include "memtune/step/frozen_base.h"
 
 namespace memtune {
 
@@ -106,8 +107,20 @@ class LlamaStep {
   // run their backward. Empty (the default): nothing is called.
   void set_on_layer_grads_done(std::function<void(int layer)> hook) { on_layer_grads_done_ = std::move(hook); }
   const StepOptions& options() const { return options_; }
+  // The sharded base (dist/sharded_base.h): every read of a unit's frozen weights is then
+  // bracketed by its acquire / release (frozen_base.h). Null (the default): the whole base is
+  // resident and nothing is called.
+  void set_frozen_base_units(FrozenBaseUnits* units) { base_units_ = units; }
 
  private:
+  FrozenBaseUnits* base_units_ = nullptr;
+  int held_unit_ = kNoUnit;  // the unit between acquire and release (checked by the readers)
+  static constexpr int kNoUnit = -100;
+  void begin_base_pass(bool with_backward);
+  void acquire_unit(int unit);
+  void release_unit(int unit);
+  // The one place the step reads a layer's frozen weights (norms, projections, 4-bit codes).
+  const LayerWeights& layer_weights(int layer) const;
   std::function<void(int)> on_layer_grads_done_;
   using LayerActs = std::array<Tensor, kNumActs>;
   using LoraActs = std::array<Tensor, kNumProjections>;
