@@ -78,6 +78,7 @@ ShardedBaseLayout sharded_base_layout(const std::vector<AllocationRecord>& recor
     unit.pieces.push_back({r.name, r.category, r.bytes, unit.bytes});
     unit.bytes += align_up(r.bytes);
     layout.unsharded_bytes += r.bytes;
+    layout.unsharded_arena_bytes += align_up(r.bytes);
   }
   bool has_lm_head = false;
   for (const AllocationRecord& r : records)
@@ -388,12 +389,13 @@ RankMemory rank_memory(const Plan& rank_plan, int world_size, bool shard_base) {
   if (!out.base_sharded) return out;
   const ShardedBaseLayout layout = sharded_base_layout(rank_plan.records, world_size, /*replicate_when_cheaper=*/true);
   // The persistent base is live at the peak; its records are the first ones (the bottom of the
-  // arena), so removing them lowers the arena by their aligned bytes.
+  // arena), so removing them lowers the arena by their aligned bytes. The allocator counts live
+  // bytes aligned too, so the categories lose the aligned bytes as well.
   uint64_t persistent_aligned = 0;
   CategoryBytes persistent{};
   for (const AllocationRecord& r : rank_plan.records)
     if (is_base_category(r.category) && r.freed_at < 0) {
-      persistent[static_cast<int>(r.category)] += r.bytes;
+      persistent[static_cast<int>(r.category)] += align_up(r.bytes);
       persistent_aligned += align_up(r.bytes);
     }
   out.base_shard_bytes = layout.shard_bytes_per_rank();

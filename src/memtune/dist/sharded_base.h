@@ -56,6 +56,7 @@ struct ShardedBaseLayout {
   int world_size = 1;
   std::vector<BaseUnit> units;  // in forward order: embed_tokens, layers.0, ..., head
   uint64_t unsharded_bytes = 0;  // the records' bytes as one device holds them
+  uint64_t unsharded_arena_bytes = 0;  // the same, each 256-byte aligned as the arena places it
   uint64_t shard_bytes_per_rank() const;  // the persistent base a rank keeps (replicated units whole)
   uint64_t gather_buffer_bytes() const;   // one buffer: the largest unit that is gathered
   static constexpr int kGatherBuffers = 2;
