@@ -200,6 +200,7 @@ ShardedBase::ShardedBase(Backend& backend, Memory& memory, const ShardedBaseLayo
                                    MemCategory::frozen_weights, DType::u8,
                                    Shape{static_cast<int64_t>(unit.bytes_per_rank())}));
   const uint64_t buffer_bytes = layout_.gather_buffer_bytes();
+  for (CommEvent& event : gathered_) event = comm_.create_event();
   if (buffer_bytes > 0)
     for (int b = 0; b < ShardedBaseLayout::kGatherBuffers; ++b)
       gather_[b] = memory.alloc(fmt::format("{}.{}", kGatherRecordPrefix, b), MemCategory::frozen_weights, DType::u8,
@@ -255,8 +256,10 @@ void ShardedBase::gather(int unit, int buffer) {
             buffer < ShardedBaseLayout::kGatherBuffers, "gather of unit {} into buffer {}", unit, buffer);
   const BaseUnit& u = layout_.units[static_cast<size_t>(unit)];
   MT_ASSERT(!u.replicated, "{} is replicated: nothing to gather", u.name);
+  comm_.after_compute(stream_);
   comm_.all_gather(shards_[static_cast<size_t>(unit)],
                    flat_range(gather_[buffer], 0, static_cast<int64_t>(u.bytes)), stream_);
+  comm_.record(gathered_[buffer], stream_);
 }
 
 Tensor ShardedBase::piece(int unit, int buffer, size_t piece) const {
@@ -337,8 +340,12 @@ void ShardedBaseWeights::acquire(int step_unit) {
             next_visit_ < visits_.size() ? base_.layout().units[static_cast<size_t>(visits_[next_visit_])].name : "none");
   // The schedule of gather_schedule: wait for this visit's gather, then issue the next visit's
   // into the other buffer (its last reader was released before this acquire), then compute.
+  // The compute stream waits for the gather's event, not for the side stream as a whole, so that
+  // the grad buckets all-reduced there meanwhile keep overlapping. The host waits once per pass,
+  // at its last visit: that is where a dead peer becomes an error instead of a hang.
   const int buffer = static_cast<int>(next_visit_ % ShardedBaseLayout::kGatherBuffers);
-  base_.wait();
+  base_.compute_waits_for(buffer);
+  if (next_visit_ + 1 == visits_.size()) base_.wait();
   if (next_visit_ + 1 < visits_.size()) base_.gather(visits_[next_visit_ + 1], 1 - buffer);
   bind(unit, buffer);
   ++next_visit_;

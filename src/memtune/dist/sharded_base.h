@@ -122,9 +122,12 @@ class ShardedBase {
   // After the whole unit was written into gather buffer `buffer`: keeps this rank's shard of it
   // (nothing for a replicated unit, which was written in place).
   void keep_shard_of(int unit, int buffer);
-  // Issues the all-gather of `unit` into gather buffer `buffer` (0 or 1); wait() before reading.
+  // Issues the all-gather of `unit` into gather buffer `buffer` (0 or 1) on the stream, after
+  // the kernels issued so far (the buffer's last reader among them); wait() (host) or
+  // compute_waits_for(buffer) (the compute stream, no host wait) before reading.
   void gather(int unit, int buffer);
   void wait() { comm_.wait(stream_); }
+  void compute_waits_for(int buffer) { comm_.compute_waits(gathered_[buffer]); }
   // u8 view of piece `piece` of `unit` as gathered into `buffer`; a replicated unit's pieces are
   // in its shard (the buffer is then ignored).
   Tensor piece(int unit, int buffer, size_t piece) const;
@@ -137,6 +140,7 @@ class ShardedBase {
   CommStream stream_;
   std::vector<Tensor> shards_;
   Tensor gather_[ShardedBaseLayout::kGatherBuffers];
+  CommEvent gathered_[ShardedBaseLayout::kGatherBuffers];  // recorded after each buffer's gather
 };
 
 // The step's view of a sharded base (step/frozen_base.h). `weights` is the engine's

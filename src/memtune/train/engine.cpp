@@ -36,8 +36,8 @@ std::unique_ptr<ShardedBase> make_sharded_base(Backend& backend, Memory& memory,
                                                Communicator* communicator) {
   const ShardedBaseLayout layout =
       sharded_base_layout(description.records(), communicator->world_size(), /*replicate_when_cheaper=*/true);
-  // The collectives on the communicator's stream (the legacy default stream on CUDA).
-  return std::make_unique<ShardedBase>(backend, memory, layout, *communicator);
+  // The gathers on the communicator's side stream, beside the compute (events order them).
+  return std::make_unique<ShardedBase>(backend, memory, layout, *communicator, communicator->side_stream());
 }
 
 }  // namespace
