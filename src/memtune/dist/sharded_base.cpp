@@ -206,6 +206,7 @@ ShardedBase::ShardedBase(Backend& backend, Memory& memory, const ShardedBaseLayo
       gather_[b] = memory.alloc(fmt::format("{}.{}", kGatherRecordPrefix, b), MemCategory::frozen_weights, DType::u8,
                                 Shape{static_cast<int64_t>(buffer_bytes)});
   // The gaps between pieces and the padding are zeros on every rank.
+  if (backend_.device() == Device::meta) return;  // nothing is stored
   for (const Tensor& shard : shards_)
     if (shard.data != nullptr) {
       const std::vector<uint8_t> zeros(shard.nbytes(), 0);
@@ -243,7 +244,7 @@ Tensor ShardedBase::unit_bytes(int unit, int buffer) const {
 
 void ShardedBase::keep_shard_of(int unit, int buffer) {
   const BaseUnit& u = layout_.units[static_cast<size_t>(unit)];
-  if (u.replicated || shards_[static_cast<size_t>(unit)].data == nullptr) return;
+  if (u.replicated || backend_.device() == Device::meta) return;
   // Load time only: through the host, as the backend has no device-to-device copy.
   std::vector<uint8_t> host(u.shard_bytes);
   backend_.copy_to_host(host.data(), flat_range(gather_[buffer], static_cast<int64_t>(comm_.rank() * u.shard_bytes),
@@ -381,6 +382,7 @@ RankMemory rank_memory(const Plan& rank_plan, int world_size, bool shard_base) {
     // constants' share of them included.
     MT_USER_CHECK(out.base_sharded, "a plan traced with the base sharded, read as {} ranks{}", world_size,
                   shard_base ? "" : " without --shard_base");
+    out.traced = true;
     for (const AllocationRecord& r : rank_plan.records) {
       if (r.freed_at >= 0) continue;
       const std::string_view name = r.name;
@@ -434,8 +436,11 @@ std::string format_rank_memory(const Plan& single, const RankMemory& rank) {
   out += fmt::format("  {:<24} {:>12} {:>12}\n", "arena", format_bytes(single.arena_bytes),
                      format_bytes(rank.arena_bytes));
   if (rank.base_sharded)
-    out += fmt::format("  (frozen weights per rank include the gather buffers: {})\n",
-                       format_bytes(rank.base_gather_bytes));
+    out += fmt::format("  (frozen weights per rank include the gather buffers: {}{})\n",
+                       format_bytes(rank.base_gather_bytes),
+                       rank.traced && single.at_peak[static_cast<int>(MemCategory::quant_constants)] > 0
+                           ? ", and the shards of the quant constants"
+                           : "");
   for (const std::string& name : rank.replicated_units)
     out += fmt::format("  ({} is kept whole on every rank: sharding it would make both gather buffers its size)\n", name);
   return out;

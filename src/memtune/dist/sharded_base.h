@@ -182,6 +182,9 @@ struct RankMemory {
   uint64_t base_gather_bytes = 0;  // the two gather buffers (counted in frozen_weights)
   uint64_t arena_bytes = 0;     // the arena a rank allocates
   std::vector<std::string> replicated_units;  // base units kept whole (sharded_base_layout)
+  // From a plan traced with the base sharded: a shard's bytes (NF4 codes and quant constants
+  // alike) count as frozen weights.
+  bool traced = false;
   uint64_t peak_live_bytes() const;
 };
 // A plan traced with the sharded base (run.shard_base, world_size > 1: its records hold the
