@@ -97,7 +97,7 @@ std::string check_gather_schedule(const std::vector<GatherEvent>& events, const 
 
 // The runtime side: one rank's shards of the base and the two gather buffers. A gather is one
 // all-gather of u8 (NCCL between GPUs); a piece of a gathered unit is then a view of the very
-// bytes the unsharded buffer holds. Not yet used by the step (see the header comment).
+// bytes the unsharded buffer holds. The step reads it through ShardedBaseWeights (below).
 class ShardedBase {
  public:
   // Allocates this rank's shards and the gather buffers in `memory` (frozen_weights) and fills

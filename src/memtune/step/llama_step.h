@@ -34,6 +34,11 @@
 // earlier). The backward runs layer l from slot l % 2 while layer l - 1's input comes back into
 // the other slot (issued after layer l + 1's backward, the slot's last reader, and waited for
 // before layer l - 1 reads it). The last layer's input never leaves the device.
+//
+// The frozen base is read through one place: layer_weights(l) (norms, projections, 4-bit codes;
+// frozen_weight dequantizes from it), with every unit (embedding, layer, head) bracketed by
+// acquire / release of the FrozenBaseUnits set on the step (frozen_base.h), so that a sharded
+// base can gather each unit just in time. A layer's recompute and backward are one visit.
 #pragma once
 
 #include <array>
