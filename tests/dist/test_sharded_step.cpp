@@ -28,8 +28,9 @@ LlamaConfig three_layer_model() {
 
 struct Variant {
   const char* name;
-  bool four_bit, checkpointing, offload;
+  bool four_bit, checkpointing, offload;  // offload: the activations and the embedding table
   int64_t token_chunks;
+  bool tied = false;  // the LM head is the embedding table (kept whole on every rank)
 };
 
 RunConfig run_of(const Variant& v) {
@@ -37,6 +38,7 @@ RunConfig run_of(const Variant& v) {
   run.load_in_4bit = v.four_bit;
   run.gradient_checkpointing = v.checkpointing;
   run.offload_activations = v.offload;
+  run.offload_embeddings = v.offload;  // the table on the host: not in the layout, read in place
   run.mlp_chunk_tokens = v.token_chunks;
   run.lora_dropout = 0.1;
   return run;
@@ -92,7 +94,8 @@ std::vector<Outcome> run_world(const LlamaConfig& model, const RunConfig& run, i
 
 // 2 and 3 ranks, sharded against replicated and against one rank with every micro-batch.
 void expect_sharded_equals_whole(const Variant& v) {
-  const LlamaConfig model = three_layer_model();
+  LlamaConfig model = three_layer_model();
+  model.tie_word_embeddings = v.tied;
   for (int world : {2, 3}) {
     SCOPED_TRACE(std::string(v.name) + " on " + std::to_string(world) + " ranks");
     RunConfig run = run_of(v);
@@ -132,11 +135,15 @@ TEST(ShardedStep, Fp32CheckpointedAndChunkedRecomputeReadsTheSameGatheredWeights
   expect_sharded_equals_whole({"fp32/ckpt/token-chunks", false, true, false, 8});
 }
 
+TEST(ShardedStep, TiedEmbeddingsKeepTheTableWholeForTheHead) {
+  expect_sharded_equals_whole({"fp32/tied", false, false, false, 0, /*tied=*/true});
+}
+
 TEST(ShardedStep, QloraRanksWithTheShardedBaseEqualOneRankWithTheWholeBase) {
   expect_sharded_equals_whole({"nf4", true, false, false, 0});
 }
 
-TEST(ShardedStep, QloraWithCheckpointingAndActivationOffload) {
+TEST(ShardedStep, QloraWithCheckpointingActivationOffloadAndHostEmbeddings) {
   expect_sharded_equals_whole({"nf4/ckpt/offload", true, true, true, 0});
 }
 

@@ -293,7 +293,10 @@ ShardedBaseWeights::ShardedBaseWeights(ShardedBase& base, ModelWeights& weights)
     const auto it = piece_of.find(name);
     if (it == piece_of.end()) continue;  // not in the arena (the embedding table on the host)
     fields_[static_cast<size_t>(it->second.first)].emplace_back(it->second.second, field);
+    if (field == &weights.lm_head && it->second.first == embedding_unit_) head_reads_embedding_ = true;
   }
+  MT_ASSERT(!head_reads_embedding_ || layout.units[static_cast<size_t>(embedding_unit_)].replicated,
+            "tied embeddings with the table sharded: the head's visit could not read it");
   for (size_t u = 0; u < fields_.size(); ++u) {
     MT_ASSERT(!fields_[u].empty(), "base unit {} has no weights", layout.units[u].name);
     unbind(static_cast<int>(u));
@@ -335,6 +338,7 @@ void ShardedBaseWeights::begin_pass(bool with_backward) {
 void ShardedBaseWeights::acquire(int step_unit) {
   const int unit = layout_unit(step_unit);
   if (unit < 0) return;
+  if (step_unit == FrozenBaseUnits::kHead && head_reads_embedding_) bind(embedding_unit_, 0);
   if (base_.layout().units[static_cast<size_t>(unit)].replicated) return bind(unit, 0);
   MT_ASSERT(next_visit_ < visits_.size() && visits_[next_visit_] == unit,
             "the step visits base unit {} where the pass expects {}", base_.layout().units[static_cast<size_t>(unit)].name,
@@ -355,6 +359,7 @@ void ShardedBaseWeights::acquire(int step_unit) {
 void ShardedBaseWeights::release(int step_unit) {
   const int unit = layout_unit(step_unit);
   if (unit >= 0) unbind(unit);
+  if (step_unit == FrozenBaseUnits::kHead && head_reads_embedding_) unbind(embedding_unit_);
 }
 
 bool plan_has_sharded_base(const Plan& plan) {

@@ -71,6 +71,8 @@ struct ShardedBaseLayout {
 // layer-sized. With the flag, each of those units is replicated or sharded, whichever set of
 // choices gives a rank the fewest bytes of base + gather buffers (the decoder layers are always
 // sharded). Nothing changes numerically: a replicated unit is the very bytes a gather would give.
+// Tied embeddings (no lm_head record): the embedding unit is always replicated, because the head's
+// visit needs the table beside its own unit, and the other gather buffer holds the prefetch then.
 ShardedBaseLayout sharded_base_layout(const std::vector<AllocationRecord>& records, int world_size,
                                       bool replicate_when_cheaper = false);
 
@@ -167,6 +169,7 @@ class ShardedBaseWeights final : public FrozenBaseUnits {
   std::vector<std::vector<std::pair<size_t, Tensor*>>> fields_;  // per unit: (piece, field)
   std::vector<std::vector<size_t>> rows_;
   int embedding_unit_ = -1, head_unit_ = -1;
+  bool head_reads_embedding_ = false;  // tied: lm_head is the (replicated) embedding table
   std::vector<int> layer_units_;
   std::vector<int> visits_;
   size_t next_visit_ = 0;

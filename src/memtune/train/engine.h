@@ -116,7 +116,8 @@ class Engine {
   // step (possibly none), normalised by the valid targets of every rank's micro-batches; the
   // report's loss and tokens are the global ones.
   StepReport train_step(const std::vector<HostMicroBatch>& micro_batches);
-  // Sum of token losses and count of valid targets.
+  // Sum of token losses and count of valid targets. With the base sharded, every rank must make
+  // the same calls (each pass gathers the base: collectives).
   std::pair<double, int64_t> eval_loss_sum(const HostMicroBatch& batch);
   const LossScalerState& scaler() const { return scaler_; }
   int64_t steps_done() const { return steps_done_; }
