@@ -205,13 +205,6 @@ ShardedBase::ShardedBase(Backend& backend, Memory& memory, const ShardedBaseLayo
     for (int b = 0; b < ShardedBaseLayout::kGatherBuffers; ++b)
       gather_[b] = memory.alloc(fmt::format("{}.{}", kGatherRecordPrefix, b), MemCategory::frozen_weights, DType::u8,
                                 Shape{static_cast<int64_t>(buffer_bytes)});
-  // The gaps between pieces and the padding are zeros on every rank.
-  if (backend_.device() == Device::meta) return;  // nothing is stored
-  for (const Tensor& shard : shards_)
-    if (shard.data != nullptr) {
-      const std::vector<uint8_t> zeros(shard.nbytes(), 0);
-      backend_.copy_from_host(shard, zeros.data());
-    }
 }
 
 ShardedBase::ShardedBase(Backend& backend, Memory& memory, const ShardedBaseLayout& layout, const Memory& source,
@@ -224,7 +217,7 @@ ShardedBase::ShardedBase(Backend& backend, Memory& memory, const ShardedBaseLayo
   std::vector<uint8_t> whole;
   for (size_t u = 0; u < layout_.units.size(); ++u) {
     const BaseUnit& unit = layout_.units[u];
-    whole.assign(unit.bytes, 0);
+    whole.assign(unit.bytes, 0);  // the gaps and the padding are zeros on every rank
     for (const BaseUnitPiece& p : unit.pieces) {
       const auto it = live.find(p.name);
       MT_USER_CHECK(it != live.end() && it->second->bytes == p.bytes, "sharding the base: {} ({} bytes) is not in the "

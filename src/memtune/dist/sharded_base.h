@@ -109,8 +109,9 @@ class ShardedBase {
   // or a piece is missing from `source`.
   ShardedBase(Backend& backend, Memory& memory, const ShardedBaseLayout& layout, const Memory& source,
               Communicator& comm, CommStream stream = {});
-  // Allocates the shards (zeros) and the gather buffers only; the engine then fills each unit in
-  // gather buffer 0 (or a replicated unit in its shard) and keeps its shard (keep_shard_of).
+  // Allocates the shards and the gather buffers only; the engine then fills each unit in gather
+  // buffer 0 (or a replicated unit in its shard) and keeps its shard (keep_shard_of). The bytes
+  // between pieces are whatever the buffer held: nothing reads them.
   ShardedBase(Backend& backend, Memory& memory, const ShardedBaseLayout& layout, Communicator& comm,
               CommStream stream = {});
   // The record names: "base_shard.layers.3", "base_whole.head" (replicated), "base_gather.0".
