@@ -655,3 +655,50 @@ TEST(Cli, PlanOfOneRankWithAShardedBase) {
   EXPECT_NE(no_world.output.find("--shard_base needs --world_size"), std::string::npos) << no_world.output;
   EXPECT_NE(run_memtune("plan --model tiny --world_size 0").exit_code, 0);
 }
+
+// Several ranks, bad input: each refused with a message that names the rule, and a non-zero
+// exit. The rules: --world_size is 1 or more; --shard_base needs 2 ranks or more (plan:
+// --world_size; train: the launcher's WORLD_SIZE); train's --world_size, when given, equals the
+// launcher's. And train under a launcher of 2 holds --vram against one rank's plan, the plan
+// that `memtune plan --world_size 2` prints, before it allocates anything (on the CPU it would
+// otherwise stop later, at "several processes need the CUDA backend").
+TEST(Cli, SeveralRanksBadInputAndThePerRankBudget) {
+  struct Case {
+    std::string args, expected;
+  };
+  const std::string torchrun2 = "WORLD_SIZE=2 RANK=0 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=29517 ";
+  const std::string train = "train --device cpu --model tiny --max_steps 1 --seq 16 --quiet ";
+  const std::vector<Case> cases = {
+      {"plan --model tiny --world_size 0", "--world_size 0: expected 1 or more ranks"},
+      {"plan --model tiny --world_size -3", "--world_size -3: expected 1 or more ranks"},
+      {"plan --model tiny --world_size 1 --shard_base", "--shard_base needs --world_size 2 or more"},
+      {train + "--shard_base", "--shard_base needs 2 ranks or more, and the launcher started 1"},
+      {train + "--world_size 2", "--world_size 2 disagrees with the launcher"},
+      {train + "--world_size 0", "--world_size 0: expected 1 or more ranks"},
+      {torchrun2 + memtune_binary() + " " + train + "--world_size 3", "--world_size 3 disagrees with the launcher"},
+      {torchrun2 + memtune_binary() + " " + train + "--shard_base --vram 1MiB", "one rank of 2 does not fit --vram 1MiB"},
+  };
+  for (const Case& c : cases) {
+    const bool shell = c.args.rfind("WORLD_SIZE=", 0) == 0;
+    const Result r = shell ? run_shell(c.args) : run_memtune(c.args);
+    EXPECT_NE(r.exit_code, 0) << c.args << "\n" << r.output;
+    EXPECT_NE(r.output.find(c.expected), std::string::npos) << c.args << "\n" << r.output;
+  }
+
+  // The figure train refuses with is the per-rank arena that plan prints.
+  const Result planned = run_memtune("plan --model tiny --seq 16 --world_size 2 --shard_base");
+  ASSERT_EQ(planned.exit_code, 0) << planned.output;
+  const size_t row = planned.output.find("  arena");
+  ASSERT_NE(row, std::string::npos) << planned.output;
+  const std::string line = planned.output.substr(row, planned.output.find('\n', row) - row);
+  const std::string per_rank = line.substr(line.rfind(' ', line.rfind(' ') - 1) + 1);  // "1.23 MiB"
+  const Result refused = run_shell(torchrun2 + memtune_binary() + " " + train + "--shard_base --vram 1MiB");
+  EXPECT_NE(refused.output.find("it plans " + per_rank + " per rank with the base sharded"), std::string::npos)
+      << "plan says " << per_rank << "\n" << refused.output;
+  EXPECT_EQ(refused.output.find("several processes need the CUDA backend"), std::string::npos) << refused.output;
+  EXPECT_NE(refused.output.find("the plan of one rank of 2 needs"), std::string::npos) << refused.output;
+  // Within the budget, train goes on to the communicator, which refuses CPU ranks.
+  const Result fits = run_shell(torchrun2 + memtune_binary() + " " + train + "--shard_base --vram 24GiB");
+  EXPECT_NE(fits.exit_code, 0);
+  EXPECT_NE(fits.output.find("several processes need the CUDA backend"), std::string::npos) << fits.output;
+}

@@ -14,6 +14,10 @@
 #include <thread>
 #include <vector>
 
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
 #include "memtune/core/error.h"
 #include "memtune/dist/communicator.h"
 
@@ -128,12 +132,17 @@ class InProcessCommunicator final : public Communicator {
 };
 
 // Runs body(rank) on world_size threads; rethrows the first exception (after all have ended).
+// Each rank's CPU ops run on one OpenMP thread: ranks that are threads share the cores, and
+// teams of spinning OpenMP threads per rank made the tests ten times slower on 2 cores.
 template <typename Body>
 void run_ranks(int world_size, Body body) {
   std::vector<std::exception_ptr> errors(static_cast<size_t>(world_size));
   std::vector<std::thread> threads;
   for (int r = 0; r < world_size; ++r)
     threads.emplace_back([&, r] {
+#ifdef _OPENMP
+      omp_set_num_threads(1);  // this thread's parallel regions only
+#endif
       try {
         body(r);
       } catch (...) {

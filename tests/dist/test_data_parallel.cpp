@@ -19,33 +19,11 @@ using namespace memtune;
 
 namespace {
 
+using enginetest::adapter_values;
+using enginetest::init_with_nonzero_b;
+using enginetest::rel_error;
 using enginetest::small_model;
 using enginetest::small_run;
-
-void init_engine(Engine& engine) {
-  engine.init_random_weights(7);
-  engine.init_adapters(11);
-  for (const LoraTensors& t : engine.lora().tensors())
-    engine.backend().fill_random(t.b, Backend::Distribution::normal, 0.0f, 0.05f, 3);
-  engine.lora().sync_compute_copies(engine.backend());
-}
-
-std::vector<float> adapters(Engine& engine) {
-  std::vector<float> out;
-  for (const LoraTensors& t : engine.lora().tensors())
-    for (const Tensor* p : {&t.a, &t.b}) {
-      std::vector<float> host(static_cast<size_t>(p->numel()));
-      engine.backend().copy_to_host(host.data(), *p);
-      out.insert(out.end(), host.begin(), host.end());
-    }
-  return out;
-}
-
-double rel_error(const std::vector<float>& a, const std::vector<float>& b) {
-  double d = 0, r = 0;
-  for (size_t i = 0; i < a.size(); ++i) d += (double(a[i]) - b[i]) * (double(a[i]) - b[i]), r += double(b[i]) * b[i];
-  return std::sqrt(d / r);
-}
 
 Dataset random_dataset(const std::vector<int>& lengths, uint64_t seed) {
   Dataset data;
@@ -74,10 +52,10 @@ TEST(DataParallel, TwoRanksEqualOneRankWithTwiceTheAccumulation) {
 
     auto cpu = make_cpu_backend();
     PlannedEngine single(*cpu, run, model);
-    init_engine(single.engine());
+    init_with_nonzero_b(single.engine());
     std::vector<double> single_losses;
     for (int s = 0; s < steps; ++s) single_losses.push_back(single->train_step(step_batches[static_cast<size_t>(s)]).loss);
-    const std::vector<float> expected = adapters(single.engine());
+    const std::vector<float> expected = adapter_values(single.engine());
 
     std::vector<std::vector<float>> got(2);
     std::vector<std::vector<double>> losses(2);
@@ -87,7 +65,7 @@ TEST(DataParallel, TwoRanksEqualOneRankWithTwiceTheAccumulation) {
       auto backend = make_cpu_backend();
       PlannedEngine engine(*backend, run, model, &comm);
       ASSERT_EQ(engine->world_size(), 2);
-      init_engine(engine.engine());
+      init_with_nonzero_b(engine.engine());
       for (int s = 0; s < steps; ++s) {
         std::vector<HostMicroBatch> mine;  // global micro-batches rank, rank + 2, ...
         for (int m = rank; m < 2 * per_rank; m += 2) mine.push_back(step_batches[static_cast<size_t>(s)][static_cast<size_t>(m)]);
@@ -95,7 +73,7 @@ TEST(DataParallel, TwoRanksEqualOneRankWithTwiceTheAccumulation) {
         losses[static_cast<size_t>(rank)].push_back(report.loss);
         EXPECT_EQ(report.tokens, 2 * per_rank * run.per_device_train_batch_size * run.max_seq_length);
       }
-      got[static_cast<size_t>(rank)] = adapters(engine.engine());
+      got[static_cast<size_t>(rank)] = adapter_values(engine.engine());
     });
     EXPECT_EQ(got[0], got[1]) << "the ranks disagree";
     EXPECT_LT(rel_error(got[0], expected), bf16 ? 2e-3 : 1e-5) << (bf16 ? "bf16" : "fp32");
@@ -162,9 +140,9 @@ TEST(DataParallel, BucketsAreAllReducedInsideTheBackwardLastLayerFirst) {
     const std::vector<HostMicroBatch> batches = enginetest::random_batches(model, run, 2, 21);
     auto cpu = make_cpu_backend();
     PlannedEngine single(*cpu, run, model);
-    init_engine(single.engine());
+    init_with_nonzero_b(single.engine());
     const double single_loss = single->train_step(batches).loss;
-    const std::vector<float> expected = adapters(single.engine());
+    const std::vector<float> expected = adapter_values(single.engine());
 
     std::vector<std::vector<BackwardSpyCommunicator::Call>> calls(2);
     std::vector<std::vector<float>> got(2);
@@ -177,9 +155,9 @@ TEST(DataParallel, BucketsAreAllReducedInsideTheBackwardLastLayerFirst) {
       PlannedEngine engine(*backend, run, model, &spy);
       spy.watch(engine->lora());
       ASSERT_EQ(engine->data_parallel()->buckets().buckets.size(), 2u);
-      init_engine(engine.engine());
+      init_with_nonzero_b(engine.engine());
       losses[static_cast<size_t>(rank)] = engine->train_step({batches[static_cast<size_t>(rank)]}).loss;
-      got[static_cast<size_t>(rank)] = adapters(engine.engine());
+      got[static_cast<size_t>(rank)] = adapter_values(engine.engine());
       calls[static_cast<size_t>(rank)] = spy.calls;
       // The buckets as planned: layer 1's first, then layer 0's.
       const GradBucketPlan& plan = engine->data_parallel()->buckets();
@@ -216,10 +194,10 @@ TEST(DataParallel, TrainerOnTwoRanksEqualsOneRankWithTwiceTheAccumulation) {
 
   auto cpu = make_cpu_backend();
   PlannedEngine single(*cpu, run, model);
-  init_engine(single.engine());
+  init_with_nonzero_b(single.engine());
   std::ostringstream out, err;
   const TrainOutcome expected = Trainer(single.engine(), data, nullptr, options, out, err).run();
-  const std::vector<float> expected_adapters = adapters(single.engine());
+  const std::vector<float> expected_adapters = adapter_values(single.engine());
 
   run.gradient_accumulation_steps = 2;
   std::vector<TrainOutcome> outcomes(2);
@@ -229,10 +207,10 @@ TEST(DataParallel, TrainerOnTwoRanksEqualsOneRankWithTwiceTheAccumulation) {
     disttest::InProcessCommunicator comm(group, rank);
     auto backend = make_cpu_backend();
     PlannedEngine engine(*backend, run, model, &comm);
-    init_engine(engine.engine());
+    init_with_nonzero_b(engine.engine());
     std::ostringstream rank_out, rank_err;
     outcomes[static_cast<size_t>(rank)] = Trainer(engine.engine(), data, nullptr, options, rank_out, rank_err).run();
-    got[static_cast<size_t>(rank)] = adapters(engine.engine());
+    got[static_cast<size_t>(rank)] = adapter_values(engine.engine());
   });
   ASSERT_EQ(outcomes[0].losses.size(), expected.losses.size());
   for (size_t s = 0; s < expected.losses.size(); ++s)
@@ -251,7 +229,7 @@ TEST(DataParallel, ThePlanOfARankIsWhatItAllocates) {
     disttest::InProcessCommunicator comm(group, rank);
     auto backend = make_cpu_backend();
     PlannedEngine engine(*backend, run, model, &comm);
-    init_engine(engine.engine());
+    init_with_nonzero_b(engine.engine());
     engine->train_step(enginetest::random_batches(model, run, 1, 3 + rank));
     engine->eval_loss_sum(enginetest::random_batches(model, run, 1, 4)[0]);
     EXPECT_EQ(engine->memory().verify_against(engine.plan().records), "");
@@ -276,7 +254,7 @@ TEST(DataParallel, ARankThatStopsMakesTheOthersFailWithAClearError) {
     disttest::InProcessCommunicator comm(group, rank);
     auto backend = make_cpu_backend();
     PlannedEngine engine(*backend, run, model, &comm);
-    init_engine(engine.engine());
+    init_with_nonzero_b(engine.engine());
     if (rank == 1) return;  // "dies" before its first step
     try {
       engine->train_step({batches[0]});
@@ -307,10 +285,10 @@ TEST(DataParallel, OneRankCommunicatorChangesNothing) {
   const std::unique_ptr<Communicator> one = make_single_rank_communicator();
   PlannedEngine plain(*cpu, run, model), with_one(*cpu, run, model, one.get());
   EXPECT_EQ(plain.plan().arena_bytes, with_one.plan().arena_bytes);
-  init_engine(plain.engine());
-  init_engine(with_one.engine());
+  init_with_nonzero_b(plain.engine());
+  init_with_nonzero_b(with_one.engine());
   EXPECT_EQ(plain->train_step(batches).loss, with_one->train_step(batches).loss);
-  EXPECT_EQ(adapters(plain.engine()), adapters(with_one.engine()));
+  EXPECT_EQ(adapter_values(plain.engine()), adapter_values(with_one.engine()));
   EXPECT_EQ(with_one->world_size(), 1);
 }
 

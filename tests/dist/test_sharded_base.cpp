@@ -114,7 +114,7 @@ TEST(ShardedBase, PerRankMemoryShrinksTheBaseAndTheOptimizerState) {
   EXPECT_EQ(sharded.base_shard_bytes, layout.shard_bytes_per_rank());
   EXPECT_EQ(sharded.base_gather_bytes, 2 * layout.gather_buffer_bytes());
   EXPECT_EQ(sharded.at_peak[fw] + sharded.at_peak[qc],
-            rank_plan.at_peak[fw] + rank_plan.at_peak[qc] - layout.unsharded_bytes + sharded.base_shard_bytes +
+            rank_plan.at_peak[fw] + rank_plan.at_peak[qc] - layout.unsharded_arena_bytes + sharded.base_shard_bytes +
                 sharded.base_gather_bytes);
   EXPECT_LT(sharded.arena_bytes, single.arena_bytes);
   const std::string table = format_rank_memory(single, sharded);

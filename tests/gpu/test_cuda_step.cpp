@@ -31,17 +31,7 @@ std::vector<HostMicroBatch> random_batches(const LlamaConfig& model, const RunCo
   return enginetest::random_batches(model, run, count, seed, /*padding_step=*/7);
 }
 
-std::vector<float> host_floats(Backend& backend, const Tensor& t) {
-  std::vector<float> f32(t.numel());
-  if (t.dtype == DType::f32) {
-    backend.copy_to_host(f32.data(), t);
-  } else {
-    std::vector<uint8_t> raw(t.nbytes());
-    backend.copy_to_host(raw.data(), t);
-    for (int64_t i = 0; i < t.numel(); ++i) f32[i] = load_as_f32(raw.data(), t.dtype, i);
-  }
-  return f32;
-}
+using enginetest::host_floats;
 
 struct StepOutcome {
   std::vector<double> losses, grad_norms;
@@ -53,11 +43,7 @@ struct StepOutcome {
 // (fill_random draws the same values everywhere), with non-zero B so every gradient is non-zero.
 StepOutcome two_steps(Backend& backend, const RunConfig& run, const LlamaConfig& model) {
   PlannedEngine engine(backend, run, model);
-  engine->init_random_weights(7);
-  engine->init_adapters(11);
-  for (const LoraTensors& t : engine->lora().tensors())
-    backend.fill_random(t.b, Backend::Distribution::normal, 0.0f, 0.05f, 3);
-  engine->lora().sync_compute_copies(backend);
+  enginetest::init_with_nonzero_b(engine.engine());
   StepOutcome out;
   for (int s = 0; s < 2; ++s) {
     const double loss_scale = run.precision == Precision::fp16 ? engine->scaler().scale : 1.0;
@@ -71,9 +57,7 @@ StepOutcome two_steps(Backend& backend, const RunConfig& run, const LlamaConfig&
           for (float v : host_floats(backend, *g)) out.grads.push_back(static_cast<float>(v / loss_scale));
     }
   }
-  for (const LoraTensors& t : engine->lora().tensors())
-    for (const Tensor* w : {&t.a, &t.b})
-      for (float v : host_floats(backend, *w)) out.lora_weights.push_back(v);
+  out.lora_weights = enginetest::adapter_values(engine.engine());
   // The engine stayed inside its plan (the plan is one micro-batch; the allocations of every
   // further one repeat it, so the sequences differ in length but not in peak).
   EXPECT_EQ(engine->memory().allocator().high_water(), engine.plan().arena_bytes);

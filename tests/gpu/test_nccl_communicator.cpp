@@ -174,3 +174,31 @@ TEST_F(NcclTest, ShardedBaseGathersOverNcclAreTheUnshardedBytes) {
   }
   gpu().free_arena(arena);
 }
+
+// The side stream (Communicator::side_stream) is a stream of its own, and the events order it
+// against the compute stream both ways: a collective after after_compute reads what the kernels
+// before it wrote, and a kernel after compute_waits reads what the collective wrote. The buffer
+// is large (64 MiB) so that a missing order would show as poison or stale values.
+TEST_F(NcclTest, SideStreamCollectivesAreOrderedAgainstComputeByEvents) {
+  const CommStream side = comm().side_stream();
+  EXPECT_NE(side.cuda_stream, nullptr);
+  EXPECT_EQ(comm().side_stream().cuda_stream, side.cuda_stream) << "one side stream per communicator";
+  const CommEvent reduced = comm().create_event();
+  const int64_t n = int64_t{1} << 24;
+  DeviceTensor send = poisoned(DType::f32, Shape{n});
+  DeviceTensor recv = poisoned(DType::f32, Shape{n});
+  DeviceTensor doubled = poisoned(DType::f32, Shape{n});
+  for (int round = 1; round <= 3; ++round) {
+    gpu().fill(send, static_cast<float>(round));  // compute stream
+    comm().after_compute(side);
+    comm().all_reduce_sum(send, recv, side);
+    comm().record(reduced, side);
+    comm().compute_waits(reduced);
+    gpu().add(doubled, recv, recv);  // compute stream, after the all-reduce
+    comm().wait(side);
+    const std::vector<float> got = doubled.download().floats();
+    size_t wrong = 0;
+    for (float v : got) wrong += v != 2.0f * static_cast<float>(round);
+    EXPECT_EQ(wrong, 0u) << "round " << round;
+  }
+}

@@ -2,6 +2,7 @@
 // run, and seeded micro-batches with some padding, the same on every backend.
 #pragma once
 
+#include <cmath>
 #include <vector>
 
 #include "memtune/model/llama_config.h"
@@ -44,6 +45,57 @@ inline std::vector<HostMicroBatch> random_batches(const LlamaConfig& model, cons
     out.push_back(make_micro_batch(ids, ids, run.max_seq_length));
   }
   return out;
+}
+
+// Seeded base (7) and PEFT adapters (11), then a non-zero B (normal 0.05, seed 3) so that every
+// adapter gradient is non-zero from the first step.
+inline void init_with_nonzero_b(Engine& engine) {
+  engine.init_random_weights(7);
+  engine.init_adapters(11);
+  for (const LoraTensors& t : engine.lora().tensors())
+    engine.backend().fill_random(t.b, Backend::Distribution::normal, 0.0f, 0.05f, 3);
+  engine.lora().sync_compute_copies(engine.backend());
+}
+
+// A tensor's values as f32 on the host, whatever its dtype.
+inline std::vector<float> host_floats(Backend& backend, const Tensor& t) {
+  std::vector<float> f32(static_cast<size_t>(t.numel()));
+  if (t.dtype == DType::f32) {
+    backend.copy_to_host(f32.data(), t);
+  } else {
+    std::vector<uint8_t> raw(t.nbytes());
+    backend.copy_to_host(raw.data(), t);
+    for (int64_t i = 0; i < t.numel(); ++i) f32[static_cast<size_t>(i)] = load_as_f32(raw.data(), t.dtype, i);
+  }
+  return f32;
+}
+
+// Every adapter's A then B (the fp32 masters), in LoraState order, end to end.
+inline std::vector<float> adapter_values(Engine& engine) {
+  std::vector<float> out;
+  for (const LoraTensors& t : engine.lora().tensors())
+    for (const Tensor* p : {&t.a, &t.b})
+      for (float v : host_floats(engine.backend(), *p)) out.push_back(v);
+  return out;
+}
+
+// Every adapter's grad of A then of B, in LoraState order, end to end.
+inline std::vector<float> adapter_grads(Engine& engine) {
+  std::vector<float> out;
+  for (const LoraTensors& t : engine.lora().tensors())
+    for (const Tensor* g : {&t.grad_a, &t.grad_b})
+      for (float v : host_floats(engine.backend(), *g)) out.push_back(v);
+  return out;
+}
+
+// ||a - b|| / ||b||.
+inline double rel_error(const std::vector<float>& a, const std::vector<float>& b) {
+  double d = 0, r = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    d += (double(a[i]) - b[i]) * (double(a[i]) - b[i]);
+    r += double(b[i]) * b[i];
+  }
+  return std::sqrt(d / r);
 }
 
 }  // namespace memtune::enginetest

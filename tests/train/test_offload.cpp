@@ -161,11 +161,7 @@ struct StepsResult {
 // Two optimizer steps of two micro-batches each, with non-zero B (every grad non-zero).
 StepsResult two_steps(Backend& backend, const RunConfig& run, const LlamaConfig& model) {
   PlannedEngine engine(backend, run, model);
-  engine->init_random_weights(7);
-  engine->init_adapters(11);
-  for (const LoraTensors& t : engine->lora().tensors())
-    backend.fill_random(t.b, Backend::Distribution::normal, 0.0f, 0.05f, 3);
-  engine->lora().sync_compute_copies(backend);
+  enginetest::init_with_nonzero_b(engine.engine());
   StepsResult result;
   for (int s = 0; s < 2; ++s) {
     const StepReport report = engine->train_step(random_batches(model, run, 2, 5 + s));
@@ -173,13 +169,8 @@ StepsResult two_steps(Backend& backend, const RunConfig& run, const LlamaConfig&
     result.losses.push_back(report.loss);
   }
   backend.synchronize();
-  for (const LoraTensors& t : engine->lora().tensors())
-    for (const Tensor* tensor : {&t.grad_a, &t.grad_b, &t.a, &t.b}) {
-      std::vector<float> host(tensor->numel());
-      backend.copy_to_host(host.data(), *tensor);
-      auto& into = (tensor == &t.a || tensor == &t.b) ? result.lora_weights : result.grads;
-      into.insert(into.end(), host.begin(), host.end());
-    }
+  result.grads = enginetest::adapter_grads(engine.engine());
+  result.lora_weights = enginetest::adapter_values(engine.engine());
   // The engine stayed inside its plan, and allocated the host bytes the plan lists.
   EXPECT_EQ(engine->memory().allocator().high_water(), engine.plan().arena_bytes);
   EXPECT_EQ(engine->memory().host_bytes(), engine.plan().host_bytes);

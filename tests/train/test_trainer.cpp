@@ -25,6 +25,9 @@ namespace fs = std::filesystem;
 
 namespace {
 
+using enginetest::adapter_grads;
+using enginetest::init_with_nonzero_b;
+using enginetest::rel_error;
 using enginetest::small_model;
 using enginetest::small_run;
 
@@ -52,32 +55,6 @@ Dataset random_dataset(const std::vector<int>& lengths, uint64_t seed, int maske
     data.samples.push_back(std::move(s));
   }
   return data;
-}
-
-// Non-zero B so that every adapter gradient is non-zero.
-void init_engine(Engine& engine) {
-  engine.init_random_weights(7);
-  engine.init_adapters(11);
-  for (const LoraTensors& t : engine.lora().tensors())
-    engine.backend().fill_random(t.b, Backend::Distribution::normal, 0.0f, 0.05f, 3);
-  engine.lora().sync_compute_copies(engine.backend());
-}
-
-std::vector<float> all_grads(Engine& engine) {
-  std::vector<float> out;
-  for (const LoraTensors& t : engine.lora().tensors())
-    for (const Tensor* g : {&t.grad_a, &t.grad_b}) {
-      std::vector<float> host(g->numel());
-      engine.backend().copy_to_host(host.data(), *g);
-      out.insert(out.end(), host.begin(), host.end());
-    }
-  return out;
-}
-
-double rel_error(const std::vector<float>& a, const std::vector<float>& b) {
-  double d = 0, r = 0;
-  for (size_t i = 0; i < a.size(); ++i) d += (double(a[i]) - b[i]) * (double(a[i]) - b[i]), r += double(b[i]) * b[i];
-  return std::sqrt(d / r);
 }
 
 HostMicroBatch rows_to_micro_batch(const Dataset& data, const std::vector<const RowLayout*>& rows, int64_t batch,
@@ -125,12 +102,12 @@ TEST(TrainerPacking, PackedStepEqualsTheSameSamplesUnpacked) {
 
     auto cpu = make_cpu_backend();
     PlannedEngine a(*cpu, run, model), b(*cpu, run, model);
-    init_engine(a.engine());
-    init_engine(b.engine());
+    init_with_nonzero_b(a.engine());
+    init_with_nonzero_b(b.engine());
     const double packed_loss = a->train_step(packed).loss;
     const double unpacked_loss = b->train_step(unpacked).loss;
     EXPECT_NEAR(packed_loss, unpacked_loss, 1e-5 * unpacked_loss) << attention;
-    EXPECT_LT(rel_error(all_grads(a.engine()), all_grads(b.engine())), 1e-5) << attention;
+    EXPECT_LT(rel_error(adapter_grads(a.engine()), adapter_grads(b.engine())), 1e-5) << attention;
   }
 }
 
@@ -174,7 +151,7 @@ struct RunResult {
 RunResult train(const RunConfig& run, const Dataset& data, TrainerOptions options, const Dataset* eval = nullptr) {
   auto cpu = make_cpu_backend();
   PlannedEngine engine(*cpu, run, small_model());
-  init_engine(engine.engine());
+  init_with_nonzero_b(engine.engine());
   options.quiet = true;
   std::ostringstream out, err;
   Trainer trainer(engine.engine(), data, eval, options, out, err);
@@ -276,7 +253,7 @@ TEST(Trainer, NonFiniteLossStopsNamingTheStepAndKeepsTheLastGoodCheckpoint) {
     run.max_steps = 6;
     auto cpu = make_cpu_backend();
     PlannedEngine engine(*cpu, run, small_model());
-    init_engine(engine.engine());
+    init_with_nonzero_b(engine.engine());
     TrainerOptions options;
     options.quiet = true;
     options.save_steps = 2;
@@ -315,7 +292,7 @@ TEST(Trainer, FullDiskWhileSavingKeepsThePreviousCheckpointAndSaysSo) {
   run.max_steps = 3;
   auto cpu = make_cpu_backend();
   PlannedEngine engine(*cpu, run, small_model());
-  init_engine(engine.engine());
+  init_with_nonzero_b(engine.engine());
   TrainerOptions options;
   options.quiet = true;
   options.save_steps = 1;
@@ -374,7 +351,7 @@ TEST(Trainer, EvaluatesEveryEvalStepsAndAtTheEndAndPackingDoesNotChangeTheEvalLo
 
   auto cpu = make_cpu_backend();
   PlannedEngine engine(*cpu, run, small_model());
-  init_engine(engine.engine());
+  init_with_nonzero_b(engine.engine());
   std::ostringstream out, err;
   TrainerOptions packed_options;
   packed_options.packing = true;

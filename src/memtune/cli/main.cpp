@@ -65,10 +65,17 @@ Tokenizer load_tokenizer(const std::string& path) {
   return path.empty() ? Tokenizer::byte_level() : Tokenizer::from_file(path);
 }
 
-void check_budget(const Plan& plan, const RunConfig& run, const LlamaConfig& model, const std::string& vram) {
+// `plan` is one rank's when world_size > 1 (plan_run with world_size: what `memtune plan
+// --world_size N` prints as the per-rank arena), and the budget is per GPU.
+void check_budget(const Plan& plan, const RunConfig& run, const LlamaConfig& model, const std::string& vram,
+                  int world_size = 1) {
   if (vram.empty()) return;
   const uint64_t budget = parse_bytes(vram);
   if (plan.arena_bytes <= budget) return;
+  if (world_size > 1)
+    mt_fail("one rank of {} does not fit --vram {}: it plans {} per rank{}; {}", world_size, vram,
+            format_bytes(plan.arena_bytes), run.shard_base ? " with the base sharded" : "",
+            fit_advice(run, model, budget, 0, world_size));
   mt_fail("run does not fit --vram {}: {}", vram, fit_advice(run, model, budget, 0));
 }
 
@@ -270,9 +277,8 @@ int run_cli(int argc, char** argv) {
   plan_cmd->add_flag("--live-at-peak", live_at_peak, "also list the buffers alive at the peak, largest first");
   plan_cmd->add_option("--vram", vram, "budget, e.g. 24GiB: refuse, with advice, a plan over it");
   int plan_world_size = 1;
-  bool shard_base = false;
   plan_cmd->add_option("--world_size", plan_world_size, "several GPUs: plan one rank of this many (ZeRO-1 optimizer state)")->capture_default_str();
-  plan_cmd->add_flag("--shard_base", shard_base, "with --world_size: the frozen base sharded across the ranks and gathered one layer at a time (FSDP-QLoRA)");
+  plan_cmd->add_flag("--shard_base", run.shard_base, "with --world_size 2 or more: the frozen base sharded across the ranks and gathered one layer at a time (FSDP-QLoRA)");
 
   // train's data and loop options, in TRL / transformers names (data/sft_dataset.h, train/trainer.h).
   bool completion_only_loss = true, assistant_only_loss = true, packing = false;
@@ -298,6 +304,9 @@ int run_cli(int argc, char** argv) {
   train_cmd->add_option("--vram", vram, "budget, e.g. 24GiB");
   train_cmd->add_option("--on-bad-line,--on_bad_line", bad_line, "error | skip (skipped lines are counted and reported)")->capture_default_str();
   train_cmd->add_flag("--quiet", quiet, "no per-step lines and no progress line");
+  int train_world_size = 0;
+  train_cmd->add_option("--world_size", train_world_size, "several GPUs: the ranks expected from the launcher (torchrun's WORLD_SIZE, mpirun, srun); refused when it disagrees");
+  train_cmd->add_flag("--shard_base", run.shard_base, "several GPUs: the frozen base sharded across the ranks and gathered one layer at a time (FSDP-QLoRA)");
   train_cmd->add_option("--metrics", metrics_path, "append one JSON line per step to this .jsonl file");
 
   CLI::App* eval_cmd = app.add_subcommand("eval", "print the mean loss on a JSONL file as JSON");
@@ -444,23 +453,46 @@ int run_cli(int argc, char** argv) {
   const ModelSource source = resolve_model(run.model);
   const LlamaConfig& model = source.config;
 
+  // ---- several GPUs: how many ranks, and whether the base is sharded ----
+  // plan: --world_size (default 1). train: the launcher's variables (launch_env.h); --world_size,
+  // when given, must agree with them. --shard_base needs 2 ranks or more in both.
+  int world_size = 1;
+  if (plan_cmd->parsed()) {
+    MT_USER_CHECK(plan_world_size >= 1, "--world_size {}: expected 1 or more ranks", plan_world_size);
+    world_size = plan_world_size;
+    MT_USER_CHECK(!run.shard_base || world_size >= 2, "--shard_base needs --world_size 2 or more: it splits the "
+                  "frozen base across the ranks (--world_size is {})", world_size);
+  } else if (train_cmd->parsed()) {
+    const LaunchEnv env = launch_env_from_process();
+    world_size = env.world_size;
+    if (train_cmd->count("--world_size") > 0) {
+      MT_USER_CHECK(train_world_size >= 1, "--world_size {}: expected 1 or more ranks", train_world_size);
+      MT_USER_CHECK(train_world_size == env.world_size, "--world_size {} disagrees with the launcher, which "
+                    "started {} rank(s) (WORLD_SIZE or its MPI / Slurm kin; this process: {}); start {} processes "
+                    "with torchrun, mpirun or srun, or drop --world_size", train_world_size, env.world_size,
+                    env.describe(), train_world_size);
+    }
+    MT_USER_CHECK(!run.shard_base || world_size >= 2, "--shard_base needs 2 ranks or more, and the launcher "
+                  "started {} ({}): start one process per GPU with torchrun (WORLD_SIZE >= 2), mpirun or srun",
+                  env.world_size, env.describe());
+  }
+  // ---- end several GPUs ----
+
   // Under --vram, an auto token-chunk size becomes the largest that fits (fit.h).
   if (!vram.empty() && (plan_cmd->parsed() || train_cmd->parsed()))
-    fit_token_chunks(run, model, parse_bytes(vram), 0, plan_cmd->parsed() ? static_cast<int>(plan_world_size) : launch_env_from_process().world_size);
+    fit_token_chunks(run, model, parse_bytes(vram), 0, world_size);
 
-  if (plan_cmd->parsed() && plan_world_size != 1) {
-    MT_USER_CHECK(plan_world_size >= 2, "--world_size {}: expected at least 1", plan_world_size);
+  if (plan_cmd->parsed() && world_size > 1) {
     MT_USER_CHECK(!json && !live_at_peak, "--world_size: --json and --live-at-peak are for one device only");
-    const Plan single = plan_run(run, model);
-    const Plan rank_plan = plan_run(run, model, Device::cuda, plan_world_size);
-    const RankMemory rank = rank_memory(rank_plan, plan_world_size, shard_base);
-    std::cout << format_rank_memory(single, rank);
-    if (!vram.empty())
-      MT_USER_CHECK(rank.arena_bytes <= parse_bytes(vram), "one rank of {} does not fit --vram {}: it plans {}",
-                    plan_world_size, vram, format_bytes(rank.arena_bytes));
+    RunConfig one_device = run;
+    one_device.shard_base = false;
+    const Plan single = plan_run(one_device, model);
+    // Traced: with --shard_base the engine of one rank keeps its shards and two gather buffers.
+    const Plan rank_plan = plan_run(run, model, Device::cuda, world_size);
+    std::cout << format_rank_memory(single, rank_memory(rank_plan, world_size, run.shard_base));
+    check_budget(rank_plan, run, model, vram, world_size);
     return 0;
   }
-  MT_USER_CHECK(!shard_base || !plan_cmd->parsed(), "--shard_base needs --world_size 2 or more");
   if (plan_cmd->parsed()) {
     const Plan plan = plan_run(run, model);
     if (json) std::cout << plan_json(plan, run, model).dump(2) << "\n";
@@ -628,9 +660,16 @@ int run_cli(int argc, char** argv) {
   } else if (num_train_epochs > 0) {
     std::cerr << "memtune: note: --max_steps " << run.max_steps << " wins over --num_train_epochs\n";
   }
-  const Plan plan = plan_run(run, model, Device::cuda, launch.world_size);  // one rank's
+  // One rank's plan, as `memtune plan --world_size N` traces it; held against --vram (per GPU)
+  // before anything is allocated.
+  const Plan plan = plan_run(run, model, Device::cuda, launch.world_size);
   std::cerr << format_plan(plan, run, model);
-  check_budget(plan, run, model, vram);
+  if (launch.world_size > 1) {
+    RunConfig one_device = run;
+    one_device.shard_base = false;
+    std::cerr << format_rank_memory(plan_run(one_device, model), rank_memory(plan, launch.world_size, run.shard_base));
+  }
+  check_budget(plan, run, model, vram, launch.world_size);
   const std::unique_ptr<Communicator> communicator = make_communicator(launch, backend->device());
   PlannedEngine engine(*backend, run, model, communicator.get());
   if (!source.checkpoint_dir.empty()) engine->load_base_checkpoint(source.checkpoint_dir);

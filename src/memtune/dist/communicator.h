@@ -36,6 +36,11 @@ struct CommStream {
   void* cuda_stream = nullptr;
 };
 
+// A point in one stream's work, for ordering another stream after it (a CUDA event on NCCL).
+struct CommEvent {
+  int32_t id = -1;
+};
+
 // Collectives over all ranks. Every rank must make the same calls in the same order with the
 // same element counts and dtypes (a mismatch is an internal error: MT_ASSERT where it can be
 // seen). Calls are asynchronous on the stream; wait() is the point where the host may read the
@@ -63,6 +68,22 @@ class Communicator {
   // peer failed or nothing finished within the communicator's timeout (the communicator is
   // aborted then: no further call may be made).
   virtual void wait(CommStream stream) = 0;
+
+  // ---- overlap with compute ----
+  // Collectives that should run beside the step's kernels go on side_stream(), ordered by
+  // events instead of sharing the compute stream (the backend's: CUDA's legacy default stream):
+  //   after_compute(side)       the side stream's next work waits for every kernel issued so far;
+  //   record(event, side)       marks the side stream's work issued so far;
+  //   compute_waits(event)      the compute stream's next kernels wait for that mark.
+  // The NCCL communicator makes a non-blocking CUDA stream of its own. The CPU, meta and
+  // in-process communicators run every collective synchronously: their side stream is the null
+  // stream and the three calls do nothing (which is exact there).
+  virtual CommStream side_stream() { return {}; }
+  virtual CommEvent create_event() { return {}; }
+  virtual void after_compute(CommStream /*side*/) {}
+  virtual void record(CommEvent /*event*/, CommStream /*side*/) {}
+  virtual void compute_waits(CommEvent /*event*/) {}
+  // ---- end overlap with compute ----
 };
 
 // Checks shared by the implementations: same dtype, the element counts the collective needs.

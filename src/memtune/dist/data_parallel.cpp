@@ -30,7 +30,8 @@ DataParallelAdapters::DataParallelAdapters(Backend& backend, Memory& memory, Lor
       comm_(comm),
       layout_(zero_shard_layout(lora.flat_params().numel(), comm.world_size())),
       buckets_(plan_grad_buckets(grad_params(lora), num_layers(lora), options.bucket_bytes)),
-      readiness_(buckets_) {
+      readiness_(buckets_),
+      stream_(comm.side_stream()) {
   MT_ASSERT(!lora.flat_params().empty() && layout_.padded_total() == lora.flat_params().numel(),
             "data parallel needs LoraState's flat layout padded to {} x {} (got {} elements)", comm.world_size(),
             kZeroShardAlignElements, lora.flat_params().numel());
@@ -46,6 +47,7 @@ DataParallelAdapters::DataParallelAdapters(Backend& backend, Memory& memory, Lor
 
 std::pair<int64_t, int64_t> DataParallelAdapters::global_counts(int64_t valid_targets, int64_t tokens) {
   if (backend_.device() == Device::meta) {
+    comm_.after_compute(stream_);
     comm_.all_reduce_sum(counts_, counts_, stream_);
     return {valid_targets, tokens};
   }
@@ -54,6 +56,7 @@ std::pair<int64_t, int64_t> DataParallelAdapters::global_counts(int64_t valid_ta
                 "{} tokens per rank in one step: too many for the global count", tokens);
   const int32_t local[2] = {static_cast<int32_t>(valid_targets), static_cast<int32_t>(tokens)};
   backend_.copy_from_host(counts_, local);
+  comm_.after_compute(stream_);
   comm_.all_reduce_sum(counts_, counts_, stream_);
   comm_.wait(stream_);
   int32_t global[2] = {0, 0};
@@ -64,10 +67,10 @@ std::pair<int64_t, int64_t> DataParallelAdapters::global_counts(int64_t valid_ta
 void DataParallelAdapters::begin_final_backward() { readiness_.reset(); }
 
 // Called through LlamaStep::set_on_layer_grads_done (the engine sets it for the last
-// micro-batch of a step) right after layer l's backward. For the overlap to be real on CUDA the
-// all-reduce must run on a second CUDA stream that waits on an event recorded after layer l's
-// backward (the CUDA backend runs on the legacy default stream, which serialises with every
-// other blocking stream): a non-blocking comm stream plus cudaEventRecord / cudaStreamWaitEvent.
+// micro-batch of a step) right after layer l's backward. The all-reduce runs on the
+// communicator's side stream after the kernels issued so far (layer l's backward among them), so
+// on NCCL it overlaps the backward of the layers below; nothing writes a launched bucket's grads
+// again before reduce_gradients waits.
 void DataParallelAdapters::layer_backward_done(int layer) {
   for (int bucket : readiness_.layer_done(layer)) launch_bucket(bucket);
 }
@@ -75,6 +78,7 @@ void DataParallelAdapters::layer_backward_done(int layer) {
 void DataParallelAdapters::launch_bucket(int bucket) {
   const GradBucket& b = buckets_.buckets[static_cast<size_t>(bucket)];
   const Tensor range = flat_range(lora_.flat_grads(), b.begin, b.numel());
+  comm_.after_compute(stream_);
   comm_.all_reduce_sum(range, range, stream_);
 }
 
@@ -84,6 +88,7 @@ void DataParallelAdapters::reduce_gradients(const Tensor& loss_sum) {
     launch_bucket(bucket);
   }
   readiness_.reset();  // for the next step
+  comm_.after_compute(stream_);
   comm_.all_reduce_sum(loss_sum, loss_sum, stream_);
   comm_.wait(stream_);
 }
@@ -91,6 +96,7 @@ void DataParallelAdapters::reduce_gradients(const Tensor& loss_sum) {
 void DataParallelAdapters::adamw_step(const AdamWParams& params) {
   zero_adamw_shard(backend_, layout_, comm_.rank(), lora_.flat_params(), lora_.flat_grads(), exp_avg_, exp_avg_sq_,
                    params);
+  comm_.after_compute(stream_);
   zero_all_gather_params(comm_, layout_, lora_.flat_params(), stream_);
   comm_.wait(stream_);
 }

@@ -9,8 +9,9 @@
 // Overlap with the backward: layer_backward_done(l) launches the all-reduce of every bucket that
 // layer l completes. The engine calls it from LlamaStep's on_layer_grads_done hook during a
 // step's last micro-batch; reduce_gradients() then launches only what is left (nothing, when
-// every layer reported). On CUDA the collectives are still on the legacy default stream, so they
-// are issued early but run serialised with the kernels (see the comment in data_parallel.cpp).
+// every layer reported). Every collective runs on the communicator's side stream after the
+// kernels issued before it (Communicator::after_compute): on NCCL the buckets overlap the rest of
+// the backward; the CPU communicators are synchronous.
 //
 // Every collective sequence ends in Communicator::wait before the host reads anything, so a dead
 // peer becomes a memtune::Error on every surviving rank.
@@ -74,7 +75,7 @@ class DataParallelAdapters {
   BucketReadiness readiness_;
   Tensor counts_;  // i32 [2]
   Tensor exp_avg_, exp_avg_sq_;
-  CommStream stream_;  // the backend's: the legacy default stream on CUDA
+  CommStream stream_;  // the communicator's side stream
 };
 
 }  // namespace memtune

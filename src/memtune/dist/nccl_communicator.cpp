@@ -12,6 +12,7 @@
 #include <chrono>
 #include <cstring>
 #include <thread>
+#include <vector>
 
 #include "memtune/core/error.h"
 #include "memtune/dist/communicator.h"
@@ -56,16 +57,19 @@ class NcclCommunicator final : public Communicator {
     settle("ncclCommInitRankConfig", Clock::now() + options_.timeout);
   }
   ~NcclCommunicator() override {
-    if (comm_ == nullptr) return;
-    // Finalize flushes outstanding work; when a peer is gone it fails or stalls, and abort ends it.
-    ncclResult_t state = ncclCommFinalize(comm_);
-    const auto deadline = Clock::now() + std::chrono::seconds(30);
-    while (state == ncclInProgress && Clock::now() < deadline) {
-      std::this_thread::yield();
-      if (ncclCommGetAsyncError(comm_, &state) != ncclSuccess) break;
+    if (comm_ != nullptr) {
+      // Finalize flushes outstanding work; when a peer is gone it fails or stalls, and abort ends it.
+      ncclResult_t state = ncclCommFinalize(comm_);
+      const auto deadline = Clock::now() + std::chrono::seconds(30);
+      while (state == ncclInProgress && Clock::now() < deadline) {
+        std::this_thread::yield();
+        if (ncclCommGetAsyncError(comm_, &state) != ncclSuccess) break;
+      }
+      if (state == ncclSuccess) ncclCommDestroy(comm_);
+      else ncclCommAbort(comm_);
     }
-    if (state == ncclSuccess) ncclCommDestroy(comm_);
-    else ncclCommAbort(comm_);
+    // After the communicator: an abort has ended any NCCL kernel still on the side stream.
+    destroy_side_stream();
   }
 
   int rank() const override { return rank_; }
@@ -118,7 +122,54 @@ class NcclCommunicator final : public Communicator {
     }
   }
 
+  // The side stream: non-blocking, so that it does not serialise with the legacy default
+  // stream the backend computes on; events order the two (cudaEventRecord / cudaStreamWaitEvent;
+  // a wait takes the event's most recent record at the time of the call, so one event per
+  // purpose can be recorded again and again).
+  CommStream side_stream() override {
+    if (side_ == nullptr) {
+      check_cuda("cudaStreamCreateWithFlags", cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking));
+      check_cuda("cudaEventCreateWithFlags", cudaEventCreateWithFlags(&compute_done_, cudaEventDisableTiming));
+    }
+    return {side_};
+  }
+  CommEvent create_event() override {
+    cudaEvent_t event = nullptr;
+    check_cuda("cudaEventCreateWithFlags", cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+    events_.push_back(event);
+    return {static_cast<int32_t>(events_.size() - 1)};
+  }
+  void after_compute(CommStream side) override {
+    if (side.cuda_stream == nullptr) return;  // the compute stream itself: ordered already
+    check_cuda("cudaEventRecord", cudaEventRecord(compute_done_, kComputeStream));
+    check_cuda("cudaStreamWaitEvent", cudaStreamWaitEvent(cuda_stream(side), compute_done_, 0));
+  }
+  void record(CommEvent event, CommStream side) override {
+    check_cuda("cudaEventRecord", cudaEventRecord(event_at(event), cuda_stream(side)));
+  }
+  void compute_waits(CommEvent event) override {
+    check_cuda("cudaStreamWaitEvent", cudaStreamWaitEvent(kComputeStream, event_at(event), 0));
+  }
+
  private:
+  // The backend's stream (ops/cuda/cuda_backend.h): the legacy default stream.
+  static constexpr cudaStream_t kComputeStream = nullptr;
+  cudaEvent_t event_at(CommEvent event) const {
+    MT_ASSERT(event.id >= 0 && static_cast<size_t>(event.id) < events_.size(), "communicator event {}", event.id);
+    return events_[static_cast<size_t>(event.id)];
+  }
+  static void check_cuda(const char* what, cudaError_t status) {
+    MT_USER_CHECK(status == cudaSuccess, "{}: {}", what, cudaGetErrorString(status));
+  }
+  void destroy_side_stream() {
+    // A failed synchronize leaves the stream to process exit.
+    if (side_ != nullptr && cudaStreamSynchronize(side_) == cudaSuccess) cudaStreamDestroy(side_);
+    for (cudaEvent_t e : events_) cudaEventDestroy(e);
+    if (compute_done_ != nullptr) cudaEventDestroy(compute_done_);
+    side_ = nullptr;
+    compute_done_ = nullptr;
+    events_.clear();
+  }
   bool skip(const Tensor& t) {
     check_usable();
     return t.device == Device::meta || t.numel() == 0;
@@ -156,6 +207,9 @@ class NcclCommunicator final : public Communicator {
   }
 
   ncclComm_t comm_ = nullptr;
+  cudaStream_t side_ = nullptr;
+  cudaEvent_t compute_done_ = nullptr;
+  std::vector<cudaEvent_t> events_;
   int rank_, world_size_;
   NcclOptions options_;
 };

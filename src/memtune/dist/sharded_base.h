@@ -12,9 +12,12 @@
 // The layout is made from the plan's own records (plan by running): every persistent buffer of
 // category frozen_weights or quant_constants, grouped by its name's unit.
 //
-// ShardedBase (below) holds a rank's shards and does the gathers; it is not yet wired into the
-// step: that needs LlamaStep to ask for a unit's weights through a provider (frozen_weight(layer,
-// p) already funnels every projection read; the norms would need the same), which is step/'s code.
+// ShardedBase (below) holds a rank's shards and does the gathers; ShardedBaseWeights is what the
+// step reads through (step/frozen_base.h): at each unit's acquire it waits for that unit's
+// gather, issues the next visit's gather into the other buffer, and points the unit's
+// ModelWeights tensors at the gathered bytes (at null again on release). The engine builds both
+// when run.shard_base is set and world_size > 1 (train/engine.cpp), and the planner traces that
+// same engine, so the plan of a rank is what the rank allocates.
 #pragma once
 
 #include <cstdint>
@@ -23,7 +26,9 @@
 
 #include "memtune/core/memory.h"
 #include "memtune/dist/communicator.h"
+#include "memtune/model/model_weights.h"
 #include "memtune/ops/backend.h"
+#include "memtune/step/frozen_base.h"
 #include "memtune/train/engine.h"
 
 namespace memtune {
@@ -51,6 +56,7 @@ struct ShardedBaseLayout {
   int world_size = 1;
   std::vector<BaseUnit> units;  // in forward order: embed_tokens, layers.0, ..., head
   uint64_t unsharded_bytes = 0;  // the records' bytes as one device holds them
+  uint64_t unsharded_arena_bytes = 0;  // the same, each 256-byte aligned as the arena places it
   uint64_t shard_bytes_per_rank() const;  // the persistent base a rank keeps (replicated units whole)
   uint64_t gather_buffer_bytes() const;   // one buffer: the largest unit that is gathered
   static constexpr int kGatherBuffers = 2;
@@ -65,6 +71,8 @@ struct ShardedBaseLayout {
 // layer-sized. With the flag, each of those units is replicated or sharded, whichever set of
 // choices gives a rank the fewest bytes of base + gather buffers (the decoder layers are always
 // sharded). Nothing changes numerically: a replicated unit is the very bytes a gather would give.
+// Tied embeddings (no lm_head record): the embedding unit is always replicated, because the head's
+// visit needs the table beside its own unit, and the other gather buffer holds the prefetch then.
 ShardedBaseLayout sharded_base_layout(const std::vector<AllocationRecord>& records, int world_size,
                                       bool replicate_when_cheaper = false);
 
@@ -79,6 +87,9 @@ struct GatherEvent {
   int buffer;  // 0 or 1
 };
 std::vector<GatherEvent> unit_visits_of_step(const ShardedBaseLayout& layout, std::vector<int>* visits = nullptr);
+// The gathered units a pass visits, in order: the forward's, then (with_backward) the layers
+// again, last first. A training step's are unit_visits_of_step's; eval's are the forward's.
+std::vector<int> gathered_unit_visits(const ShardedBaseLayout& layout, bool with_backward);
 // The schedule for a sequence of unit visits: gather(v0); then per visit k: wait(vk),
 // gather(v(k+1)) into the other buffer, compute(vk), release(vk).
 std::vector<GatherEvent> gather_schedule(const std::vector<int>& visits);
@@ -88,7 +99,7 @@ std::string check_gather_schedule(const std::vector<GatherEvent>& events, const 
 
 // The runtime side: one rank's shards of the base and the two gather buffers. A gather is one
 // all-gather of u8 (NCCL between GPUs); a piece of a gathered unit is then a view of the very
-// bytes the unsharded buffer holds. Not yet used by the step (see the header comment).
+// bytes the unsharded buffer holds. The step reads it through ShardedBaseWeights (below).
 class ShardedBase {
  public:
   // Allocates this rank's shards and the gather buffers in `memory` (frozen_weights) and fills
@@ -98,10 +109,28 @@ class ShardedBase {
   // or a piece is missing from `source`.
   ShardedBase(Backend& backend, Memory& memory, const ShardedBaseLayout& layout, const Memory& source,
               Communicator& comm, CommStream stream = {});
+  // Allocates the shards and the gather buffers only; the engine then fills each unit in gather
+  // buffer 0 (or a replicated unit in its shard) and keeps its shard (keep_shard_of). The bytes
+  // between pieces are whatever the buffer held: nothing reads them.
+  ShardedBase(Backend& backend, Memory& memory, const ShardedBaseLayout& layout, Communicator& comm,
+              CommStream stream = {});
+  // The record names: "base_shard.layers.3", "base_whole.head" (replicated), "base_gather.0".
+  static constexpr const char* kShardRecordPrefix = "base_shard";
+  static constexpr const char* kWholeRecordPrefix = "base_whole";
+  static constexpr const char* kGatherRecordPrefix = "base_gather";
   const ShardedBaseLayout& layout() const { return layout_; }
-  // Issues the all-gather of `unit` into gather buffer `buffer` (0 or 1); wait() before reading.
+  Device device() const { return backend_.device(); }
+  // u8 bytes of the whole unit: its shard when replicated, else gather buffer `buffer`.
+  Tensor unit_bytes(int unit, int buffer) const;
+  // After the whole unit was written into gather buffer `buffer`: keeps this rank's shard of it
+  // (nothing for a replicated unit, which was written in place).
+  void keep_shard_of(int unit, int buffer);
+  // Issues the all-gather of `unit` into gather buffer `buffer` (0 or 1) on the stream, after
+  // the kernels issued so far (the buffer's last reader among them); wait() (host) or
+  // compute_waits_for(buffer) (the compute stream, no host wait) before reading.
   void gather(int unit, int buffer);
   void wait() { comm_.wait(stream_); }
+  void compute_waits_for(int buffer) { comm_.compute_waits(gathered_[buffer]); }
   // u8 view of piece `piece` of `unit` as gathered into `buffer`; a replicated unit's pieces are
   // in its shard (the buffer is then ignored).
   Tensor piece(int unit, int buffer, size_t piece) const;
@@ -114,6 +143,37 @@ class ShardedBase {
   CommStream stream_;
   std::vector<Tensor> shards_;
   Tensor gather_[ShardedBaseLayout::kGatherBuffers];
+  CommEvent gathered_[ShardedBaseLayout::kGatherBuffers];  // recorded after each buffer's gather
+};
+
+// The step's view of a sharded base (step/frozen_base.h). `weights` is the engine's
+// ModelWeights, allocated outside the arena (its tensors hold no bytes of their own): each
+// piece's fields are pointed at its bytes in the unit's gather buffer (or whole shard) while the
+// unit is acquired, and at null otherwise, so that a read outside a visit fails loudly.
+class ShardedBaseWeights final : public FrozenBaseUnits {
+ public:
+  ShardedBaseWeights(ShardedBase& base, ModelWeights& weights);
+  void begin_pass(bool with_backward) override;
+  void acquire(int unit) override;
+  void release(int unit) override;
+  // The layout unit of a step unit (FrozenBaseUnits ids); -1 when the layout has none (the
+  // embedding table on the host).
+  int layout_unit(int step_unit) const;
+  // Points the unit's fields at its bytes in `buffer` (load time: the engine fills them there).
+  void bind(int unit, int buffer);
+  void unbind(int unit);
+  // The ModelWeights table rows whose buffers belong to the layout unit.
+  const std::vector<size_t>& table_rows(int unit) const { return rows_[static_cast<size_t>(unit)]; }
+
+ private:
+  ShardedBase& base_;
+  std::vector<std::vector<std::pair<size_t, Tensor*>>> fields_;  // per unit: (piece, field)
+  std::vector<std::vector<size_t>> rows_;
+  int embedding_unit_ = -1, head_unit_ = -1;
+  bool head_reads_embedding_ = false;  // tied: lm_head is the (replicated) embedding table
+  std::vector<int> layer_units_;
+  std::vector<int> visits_;
+  size_t next_visit_ = 0;
 };
 
 // One rank's memory: a rank's plan (plan_run with world_size: flat adapters, ZeRO-1 moment
@@ -126,9 +186,17 @@ struct RankMemory {
   uint64_t base_gather_bytes = 0;  // the two gather buffers (counted in frozen_weights)
   uint64_t arena_bytes = 0;     // the arena a rank allocates
   std::vector<std::string> replicated_units;  // base units kept whole (sharded_base_layout)
+  // From a plan traced with the base sharded: a shard's bytes (NF4 codes and quant constants
+  // alike) count as frozen weights.
+  bool traced = false;
   uint64_t peak_live_bytes() const;
 };
+// A plan traced with the sharded base (run.shard_base, world_size > 1: its records hold the
+// base_shard / base_gather buffers) is taken as it is; a plan of the replicated base is turned
+// into the sharded one's figures by arithmetic on its records (the two agree: tested).
 RankMemory rank_memory(const Plan& rank_plan, int world_size, bool shard_base);
+// Whether the plan was traced with the base sharded.
+bool plan_has_sharded_base(const Plan& plan);
 // A table: category, one device, per rank; and the totals.
 std::string format_rank_memory(const Plan& single_device_plan, const RankMemory& rank);
 

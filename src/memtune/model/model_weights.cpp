@@ -170,16 +170,61 @@ void ModelWeights::upload_quantized(Backend& backend, size_t index, const Quanti
 
 void ModelWeights::init_random(Backend& backend, const LlamaConfig& config, uint64_t seed,
                                const Tensor& lent_scratch) {
+  std::vector<size_t> all(table.size());
+  for (size_t i = 0; i < all.size(); ++i) all[i] = i;
+  init_random_rows(backend, config, seed, all, lent_scratch);
+}
+
+std::vector<std::pair<std::string, Tensor*>> ModelWeights::named_buffers() {
+  std::vector<std::pair<std::string, Tensor*>> out;
+  for (size_t i = 0; i < table.size(); ++i) {
+    const ParamSpec& spec = table[i];
+    if (is_quantized(i)) {
+      Quantized4bit& q = layers[spec.layer].quantized[static_cast<int>(spec.projection)];
+      out.emplace_back(spec.hf_key, &q.packed);
+      out.emplace_back(spec.hf_key + ".quant_map", &q.code_map);
+      out.emplace_back(spec.hf_key + ".absmax", &q.absmax);
+      if (q.config.double_quant) {
+        out.emplace_back(spec.hf_key + ".nested_absmax", &q.nested_absmax);
+        out.emplace_back(spec.hf_key + ".nested_quant_map", &q.nested_map);
+      }
+      continue;
+    }
+    out.emplace_back(spec.hf_key, &tensors[i]);
+    switch (spec.kind) {
+      case ParamKind::embedding:
+        out.emplace_back(spec.hf_key, &embed_tokens);
+        // Tied: the table has no LM head row, and lm_head is the embedding's buffer.
+        if (std::none_of(table.begin(), table.end(), [](const ParamSpec& s) { return s.kind == ParamKind::lm_head; }))
+          out.emplace_back(spec.hf_key, &lm_head);
+        break;
+      case ParamKind::lm_head: out.emplace_back(spec.hf_key, &lm_head); break;
+      case ParamKind::linear:
+        out.emplace_back(spec.hf_key, &layers[spec.layer].projections[static_cast<int>(spec.projection)]);
+        break;
+      case ParamKind::norm:
+        if (spec.layer < 0) out.emplace_back(spec.hf_key, &final_norm);
+        else if (spec.hf_key.find("input_layernorm") != std::string::npos)
+          out.emplace_back(spec.hf_key, &layers[spec.layer].input_norm);
+        else out.emplace_back(spec.hf_key, &layers[spec.layer].post_norm);
+        break;
+    }
+  }
+  return out;
+}
+
+void ModelWeights::init_random_rows(Backend& backend, const LlamaConfig& config, uint64_t seed,
+                                    const std::vector<size_t>& indices, const Tensor& lent_scratch) {
   const float std_dev = static_cast<float>(config.initializer_range);
   // 4-bit projections are drawn on the device into one f32 scratch (the largest projection's
   // size, freed on return) and quantized there: the same f32 values a dense run draws
   // (fill_random's counter-based values), so the codes do not depend on the backend beyond
   // fill_random's own (last-bit) agreement.
   int64_t largest_quantized = 0;
-  for (size_t i = 0; i < table.size(); ++i)
+  for (size_t i : indices)
     if (is_quantized(i)) largest_quantized = std::max(largest_quantized, table[i].shape.numel());
   ScratchArena scratch(backend, static_cast<uint64_t>(largest_quantized) * sizeof(float), lent_scratch);
-  for (size_t i = 0; i < table.size(); ++i) {
+  for (size_t i : indices) {
     const uint64_t tensor_seed = seed * 1000003 + i;
     if (is_quantized(i)) {
       const ParamSpec& spec = table[i];

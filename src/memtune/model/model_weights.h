@@ -3,6 +3,8 @@
 
 #include <array>
 #include <memory>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "memtune/core/memory.h"
@@ -46,6 +48,14 @@ struct ModelWeights {
   // nothing is allocated outside the plan).
   void init_random(Backend& backend, const LlamaConfig& config, uint64_t seed,
                    const Tensor& lent_scratch = Tensor{});
+  // The same for table rows `indices` only (each draws exactly what init_random gives it): the
+  // sharded base initialises one unit at a time.
+  void init_random_rows(Backend& backend, const LlamaConfig& config, uint64_t seed,
+                        const std::vector<size_t>& indices, const Tensor& lent_scratch = Tensor{});
+  // Every tensor field that holds a buffer allocate() recorded, with that record's name (a
+  // buffer held by several fields, as tensors[i] and its typed alias, appears once per field).
+  // The sharded base points them at the gathered bytes of their unit.
+  std::vector<std::pair<std::string, Tensor*>> named_buffers();
   // Stores table[index] from host data (f32/f16/bf16), converting or quantizing it. A 4-bit
   // projection is copied to a temporary device scratch in host_dtype and quantized there by
   // backend.quantize_4bit (the host reference on the CPU backend); NaN / Inf throws

@@ -85,12 +85,13 @@ std::string format_plan(const Plan& plan, const RunConfig& run, const LlamaConfi
 }
 
 std::string fit_advice(const RunConfig& run, const LlamaConfig& model, uint64_t budget,
-                       uint64_t context) {
+                       uint64_t context, int world_size) {
   struct Change {
     std::string what;
     std::function<bool(RunConfig&)> apply;  // false: not applicable
   };
   const std::vector<Change> changes = {
+      {"--shard_base (the frozen base split across the ranks)", [world_size](RunConfig& r) { if (world_size < 2 || r.shard_base) return false; r.shard_base = true; return true; }},
       {"--bf16", [](RunConfig& r) { if (r.precision != Precision::fp32) return false; r.precision = Precision::bf16; return true; }},
       {"--gradient_checkpointing", [](RunConfig& r) { if (r.gradient_checkpointing) return false; r.gradient_checkpointing = true; return true; }},
       {"--attn_implementation flash", [](RunConfig& r) { if (r.attn_implementation != "eager") return false; r.attn_implementation = "flash"; return true; }},
@@ -101,18 +102,19 @@ std::string fit_advice(const RunConfig& run, const LlamaConfig& model, uint64_t 
       {"halve --per_device_train_batch_size (double accumulation)", [](RunConfig& r) { if (r.per_device_train_batch_size < 2) return false; r.per_device_train_batch_size /= 2; r.gradient_accumulation_steps *= 2; return true; }},
       {"halve --max_seq_length", [](RunConfig& r) { if (r.max_seq_length < 4) return false; r.max_seq_length /= 2; return true; }},
   };
-  std::string out = fmt::format("the plan needs {} + {} context, over the budget of {}. Single changes:\n",
-                                format_bytes(plan_run(run, model).arena_bytes), format_bytes(context),
-                                format_bytes(budget));
+  const auto planned = [&](const RunConfig& r) { return plan_run(r, model, Device::cuda, world_size).arena_bytes; };
+  std::string out = fmt::format("the plan{} needs {} + {} context, over the budget of {}. Single changes:\n",
+                                world_size > 1 ? fmt::format(" of one rank of {}", world_size) : "",
+                                format_bytes(planned(run)), format_bytes(context), format_bytes(budget));
   RunConfig all = run;
   for (const Change& change : changes) {
     RunConfig changed = run;
     if (!change.apply(changed)) continue;
     change.apply(all);
-    const uint64_t peak = plan_run(changed, model).arena_bytes + context;
+    const uint64_t peak = planned(changed) + context;
     out += fmt::format("  {:<58} -> {:>12}{}\n", change.what, format_bytes(peak), peak <= budget ? "  fits" : "");
   }
-  const uint64_t all_peak = plan_run(all, model).arena_bytes + context;
+  const uint64_t all_peak = planned(all) + context;
   out += fmt::format("  {:<58} -> {:>12}{}\n", "all of the above", format_bytes(all_peak), all_peak <= budget ? "  fits" : "  still does not fit");
   return out;
 }

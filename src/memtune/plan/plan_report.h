@@ -18,7 +18,9 @@ std::string format_live_at_peak(const Plan& plan, size_t max_rows = 40);
 nlohmann::json run_config_json(const RunConfig& run, const LlamaConfig& model);
 
 // Advice for a run whose plan exceeds the budget: what each single change would give.
+// world_size > 1: the plans are one rank's (plan_run with world_size), and sharding the base
+// (--shard_base) is one of the changes.
 std::string fit_advice(const RunConfig& run, const LlamaConfig& model, uint64_t budget_bytes,
-                       uint64_t context_bytes);
+                       uint64_t context_bytes, int world_size = 1);
 
 }  // namespace memtune

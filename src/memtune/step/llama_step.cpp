@@ -137,9 +137,31 @@ void LlamaStep::free_layer(LayerState& state, bool keep_input) {
   }
 }
 
+void LlamaStep::begin_base_pass(bool with_backward) {
+  if (base_units_ != nullptr) base_units_->begin_pass(with_backward);
+}
+
+void LlamaStep::acquire_unit(int unit) {
+  MT_ASSERT(held_unit_ == kNoUnit, "acquiring base unit {} while {} is held", unit, held_unit_);
+  held_unit_ = unit;
+  if (base_units_ != nullptr) base_units_->acquire(unit);
+}
+
+void LlamaStep::release_unit(int unit) {
+  MT_ASSERT(held_unit_ == unit, "releasing base unit {} while {} is held", unit, held_unit_);
+  held_unit_ = kNoUnit;
+  if (base_units_ != nullptr) base_units_->release(unit);
+}
+
+const LayerWeights& LlamaStep::layer_weights(int layer) const {
+  MT_ASSERT(held_unit_ == layer, "layer {}'s frozen weights read while base unit {} is held", layer, held_unit_);
+  return weights_.layers[layer];
+}
+
 Tensor LlamaStep::frozen_weight(int layer, Projection p) {
-  const Quantized4bit& q = weights_.layers[layer].quantized[static_cast<int>(p)];
-  if (q.empty()) return weights_.layers[layer].projections[static_cast<int>(p)];
+  const LayerWeights& lw = layer_weights(layer);
+  const Quantized4bit& q = lw.quantized[static_cast<int>(p)];
+  if (q.empty()) return lw.projections[static_cast<int>(p)];
   // QLoRA: one projection at a time is dequantized into compute-dtype scratch.
   Tensor w = memory_.alloc(fmt::format("layers.{}.{}.dequantized", layer, projection_name(p)),
                            MemCategory::workspace, options_.compute_dtype, q.shape);
@@ -148,7 +170,7 @@ Tensor LlamaStep::frozen_weight(int layer, Projection p) {
 }
 
 void LlamaStep::release_frozen_weight(int layer, Projection p, const Tensor& w) {
-  if (!weights_.layers[layer].quantized[static_cast<int>(p)].empty()) memory_.free(w);
+  if (!layer_weights(layer).quantized[static_cast<int>(p)].empty()) memory_.free(w);
 }
 
 Tensor LlamaStep::lora_input_projection(int layer, Projection p, const Tensor& x,
@@ -278,7 +300,7 @@ Tensor LlamaStep::layer_forward(int layer, LayerState& s, bool recompute, uint64
   if (chunk_rows > 0)
     return layer_forward_chunked(layer, s, recompute, dropout_seed, training, chunk_rows, out_slot);
   const MemCategory keep = training ? saved_category(recompute) : MemCategory::transient_activations;
-  const LayerWeights& w = weights_.layers[layer];
+  const LayerWeights& w = layer_weights(layer);
   LayerActs& a = s.acts;
   auto act = [&](Act id) -> Tensor& { return a[static_cast<int>(id)]; };
   auto lora_u = [&](Projection p) { return training ? &s.lora_u[static_cast<int>(p)] : nullptr; };
@@ -324,7 +346,7 @@ Tensor LlamaStep::layer_forward_chunked(int layer, LayerState& s, bool recompute
   // backward in a recompute); every row-wise part runs on chunk buffers and keeps nothing.
   const MemCategory keep = training ? saved_category(recompute) : MemCategory::transient_activations;
   const MemCategory transient = MemCategory::transient_activations;
-  const LayerWeights& w = weights_.layers[layer];
+  const LayerWeights& w = layer_weights(layer);
   auto act = [&](Act id) -> Tensor& { return s.acts[static_cast<int>(id)]; };
   const Tensor& x = act(Act::layer_input);
   const float eps = static_cast<float>(config_.rms_norm_eps);
@@ -381,7 +403,7 @@ void LlamaStep::mlp_forward(int layer, const Tensor& mid_rows, int64_t first_row
   act(Act::norm2_out) = alloc_act_rows(Act::norm2_out, layer, category, rows);
   act(Act::norm2_rstd) = alloc_act_rows(Act::norm2_rstd, layer, category, rows);
   backend_.rmsnorm_forward(act(Act::norm2_out), act(Act::norm2_rstd), mid_rows,
-                           weights_.layers[layer].post_norm, static_cast<float>(config_.rms_norm_eps));
+                           layer_weights(layer).post_norm, static_cast<float>(config_.rms_norm_eps));
   act(Act::gate) = alloc_act_rows(Act::gate, layer, category, rows);
   act(Act::up) = alloc_act_rows(Act::up, layer, category, rows);
   linear_forward(layer, Projection::gate, act(Act::norm2_out), first_row, act(Act::gate), lora_u(Projection::gate), category, dropout_seed, training);
@@ -406,7 +428,7 @@ void LlamaStep::mlp_backward(int layer, LayerState& mlp, const Tensor& mid_rows,
                                  options_.compute_dtype, act(Act::norm2_out).shape);
   linear_backward(layer, Projection::gate, act(Act::gate), act(Act::norm2_out), first_row, lora_u(Projection::gate), d_norm2, false, dropout_seed);
   linear_backward(layer, Projection::up, act(Act::up), act(Act::norm2_out), first_row, lora_u(Projection::up), d_norm2, true, dropout_seed);
-  backend_.rmsnorm_backward(d_resid_rows, d_norm2, mid_rows, weights_.layers[layer].post_norm,
+  backend_.rmsnorm_backward(d_resid_rows, d_norm2, mid_rows, layer_weights(layer).post_norm,
                             act(Act::norm2_rstd), true);
   memory_.free(d_norm2);
 }
@@ -461,7 +483,7 @@ void LlamaStep::attention_backward(int layer, LayerState& s, const Tensor& d_att
 void LlamaStep::layer_backward(int layer, LayerState& s, const Tensor& d_resid, uint64_t seed) {
   const int64_t chunk_rows = token_chunk_rows(true);
   if (chunk_rows > 0) return layer_backward_chunked(layer, s, d_resid, seed, chunk_rows);
-  const LayerWeights& w = weights_.layers[layer];
+  const LayerWeights& w = layer_weights(layer);
   LayerActs& a = s.acts;
   auto act = [&](Act id) -> Tensor& { return a[static_cast<int>(id)]; };
   auto lora_u = [&](Projection p) { return s.lora_u[static_cast<int>(p)]; };
@@ -495,7 +517,7 @@ void LlamaStep::layer_backward(int layer, LayerState& s, const Tensor& d_resid, 
 
 void LlamaStep::layer_backward_chunked(int layer, LayerState& s, const Tensor& d_resid,
                                        uint64_t seed, int64_t chunk_rows) {
-  const LayerWeights& w = weights_.layers[layer];
+  const LayerWeights& w = layer_weights(layer);
   auto act = [&](Act id) -> Tensor& { return s.acts[static_cast<int>(id)]; };
   const Tensor& x = act(Act::layer_input);
   const std::string prefix = fmt::format("layers.{}.", layer);
@@ -625,21 +647,31 @@ void LlamaStep::forward_backward(float loss_grad_scale, uint64_t dropout_seed) {
   if (options_.offload_activations) return forward_backward_offloaded(loss_grad_scale, dropout_seed);
   const int layers = static_cast<int>(config_.num_hidden_layers);
   std::vector<LayerState> states(layers);
+  begin_base_pass(/*with_backward=*/true);
   Tensor x = memory_.alloc("layers.0.layer_input", MemCategory::saved_activations,
                            options_.compute_dtype, Shape{tokens_, config_.hidden_size});
+  acquire_unit(FrozenBaseUnits::kEmbedding);
   backend_.embedding_forward(x, weights_.embed_tokens, batch_.input_ids);
+  release_unit(FrozenBaseUnits::kEmbedding);
   for (int l = 0; l < layers; ++l) {
     states[l].acts[static_cast<int>(Act::layer_input)] = x;
+    acquire_unit(l);
     x = layer_forward(l, states[l], false, dropout_seed, true);
+    release_unit(l);
     if (options_.gradient_checkpointing) free_layer(states[l], /*keep_input=*/true);
   }
   Tensor d_resid = memory_.alloc("d_residual", MemCategory::transient_activations,
                                  options_.compute_dtype, x.shape);
+  acquire_unit(FrozenBaseUnits::kHead);
   loss_and_head(x, loss_grad_scale, &d_resid);
+  release_unit(FrozenBaseUnits::kHead);
   memory_.free(x);
   for (int l = layers - 1; l >= 0; --l) {
+    // One visit: the recompute (checkpointing) and the backward read the same gathered weights.
+    acquire_unit(l);
     if (options_.gradient_checkpointing) layer_forward(l, states[l], true, dropout_seed, true);
     layer_backward(l, states[l], d_resid, dropout_seed);
+    release_unit(l);
     if (on_layer_grads_done_) on_layer_grads_done_(l);
     free_layer(states[l], /*keep_input=*/false);
   }
@@ -655,7 +687,10 @@ void LlamaStep::forward_backward_offloaded(float loss_grad_scale, uint64_t dropo
     slots[i] = memory_.alloc(fmt::format("offload.layer_input_slot{}", i), MemCategory::saved_activations,
                              options_.compute_dtype, residual_shape);
   auto slot_of = [&](int layer) { return layer % kOffloadSlots; };
+  begin_base_pass(/*with_backward=*/true);
+  acquire_unit(FrozenBaseUnits::kEmbedding);
   backend_.embedding_forward(slots[0], weights_.embed_tokens, batch_.input_ids);
+  release_unit(FrozenBaseUnits::kEmbedding);
   for (int l = 0; l < layers; ++l) {
     const int in = slot_of(l), out = slot_of(l + 1);
     // The input is complete (the ops before wrote it): copy it out while this layer runs.
@@ -664,12 +699,16 @@ void LlamaStep::forward_backward_offloaded(float loss_grad_scale, uint64_t dropo
     backend_.compute_wait(slot_copied_out_[out]);
     LayerState state;
     state.acts[static_cast<int>(Act::layer_input)] = slots[in];
+    acquire_unit(l);
     layer_forward(l, state, false, dropout_seed, true, &slots[out]);
+    release_unit(l);
     free_layer(state, /*keep_input=*/true);
   }
   Tensor d_resid = memory_.alloc("d_residual", MemCategory::transient_activations,
                                  options_.compute_dtype, residual_shape);
+  acquire_unit(FrozenBaseUnits::kHead);
   loss_and_head(slots[slot_of(layers)], loss_grad_scale, &d_resid);
+  release_unit(FrozenBaseUnits::kHead);
   for (int l = layers - 1; l >= 0; --l) {
     // Layer l - 1's input comes back into the other slot while this layer runs; that slot's
     // last reader (layer l + 1's backward, or the loss) was issued before, so the copy waits
@@ -679,8 +718,10 @@ void LlamaStep::forward_backward_offloaded(float loss_grad_scale, uint64_t dropo
     backend_.compute_wait(slot_copied_in_[slot_of(l)]);
     LayerState state;
     state.acts[static_cast<int>(Act::layer_input)] = slots[slot_of(l)];
+    acquire_unit(l);
     layer_forward(l, state, true, dropout_seed, true);
     layer_backward(l, state, d_resid, dropout_seed);
+    release_unit(l);
     if (on_layer_grads_done_) on_layer_grads_done_(l);
     free_layer(state, /*keep_input=*/true);
   }
@@ -695,17 +736,24 @@ void LlamaStep::forward_backward_offloaded(float loss_grad_scale, uint64_t dropo
 
 void LlamaStep::forward_loss() {
   const int layers = static_cast<int>(config_.num_hidden_layers);
+  begin_base_pass(/*with_backward=*/false);
   Tensor x = memory_.alloc("layers.0.layer_input", MemCategory::transient_activations,
                            options_.compute_dtype, Shape{tokens_, config_.hidden_size});
+  acquire_unit(FrozenBaseUnits::kEmbedding);
   backend_.embedding_forward(x, weights_.embed_tokens, batch_.input_ids);
+  release_unit(FrozenBaseUnits::kEmbedding);
   for (int l = 0; l < layers; ++l) {
     LayerState state;
     state.acts[static_cast<int>(Act::layer_input)] = x;
+    acquire_unit(l);
     Tensor out = layer_forward(l, state, false, 0, false);
+    release_unit(l);
     free_layer(state, /*keep_input=*/false);
     x = out;
   }
+  acquire_unit(FrozenBaseUnits::kHead);
   loss_and_head(x, 0.0f, nullptr);
+  release_unit(FrozenBaseUnits::kHead);
   memory_.free(x);
 }
 

@@ -34,6 +34,11 @@
 // earlier). The backward runs layer l from slot l % 2 while layer l - 1's input comes back into
 // the other slot (issued after layer l + 1's backward, the slot's last reader, and waited for
 // before layer l - 1 reads it). The last layer's input never leaves the device.
+//
+// The frozen base is read through one place: layer_weights(l) (norms, projections, 4-bit codes;
+// frozen_weight dequantizes from it), with every unit (embedding, layer, head) bracketed by
+// acquire / release of the FrozenBaseUnits set on the step (frozen_base.h), so that a sharded
+// base can gather each unit just in time. A layer's recompute and backward are one visit.
 #pragma once
 
 #include <array>
@@ -45,6 +50,7 @@
 #include "memtune/model/model_weights.h"
 #include "memtune/ops/backend.h"
 #include "memtune/step/activations.h"
+#include "memtune/step/frozen_base.h"
 
 namespace memtune {
 
@@ -110,8 +116,20 @@ class LlamaStep {
   // run their backward. Empty (the default): nothing is called.
   void set_on_layer_grads_done(std::function<void(int layer)> hook) { on_layer_grads_done_ = std::move(hook); }
   const StepOptions& options() const { return options_; }
+  // The sharded base (dist/sharded_base.h): every read of a unit's frozen weights is then
+  // bracketed by its acquire / release (frozen_base.h). Null (the default): the whole base is
+  // resident and nothing is called.
+  void set_frozen_base_units(FrozenBaseUnits* units) { base_units_ = units; }
 
  private:
+  FrozenBaseUnits* base_units_ = nullptr;
+  int held_unit_ = kNoUnit;  // the unit between acquire and release (checked by the readers)
+  static constexpr int kNoUnit = -100;
+  void begin_base_pass(bool with_backward);
+  void acquire_unit(int unit);
+  void release_unit(int unit);
+  // The one place the step reads a layer's frozen weights (norms, projections, 4-bit codes).
+  const LayerWeights& layer_weights(int layer) const;
   std::function<void(int)> on_layer_grads_done_;
   using LayerActs = std::array<Tensor, kNumActs>;
   using LoraActs = std::array<Tensor, kNumProjections>;

@@ -6,6 +6,7 @@
 
 #include "memtune/core/error.h"
 #include "memtune/dist/data_parallel.h"
+#include "memtune/dist/sharded_base.h"
 #include "memtune/io/file_util.h"
 #include "memtune/io/json_util.h"
 #include "memtune/io/safetensors.h"
@@ -26,6 +27,19 @@ bool is_data_parallel(const Communicator* communicator) {
   return communicator != nullptr && communicator->world_size() > 1;
 }
 
+// --shard_base means something only with several ranks; one rank keeps the whole base.
+bool shards_base(const RunConfig& run, const Communicator* communicator) {
+  return run.shard_base && is_data_parallel(communicator);
+}
+
+std::unique_ptr<ShardedBase> make_sharded_base(Backend& backend, Memory& memory, const Memory& description,
+                                               Communicator* communicator) {
+  const ShardedBaseLayout layout =
+      sharded_base_layout(description.records(), communicator->world_size(), /*replicate_when_cheaper=*/true);
+  // The gathers on the communicator's side stream, beside the compute (events order them).
+  return std::make_unique<ShardedBase>(backend, memory, layout, *communicator, communicator->side_stream());
+}
+
 }  // namespace
 
 Engine::Engine(Backend& backend, void* arena, uint64_t arena_bytes, const RunConfig& run,
@@ -34,9 +48,13 @@ Engine::Engine(Backend& backend, void* arena, uint64_t arena_bytes, const RunCon
       run_(run),
       model_(model),
       memory_(backend.device(), arena, arena_bytes),
-      weights_(ModelWeights::allocate(memory_, model_, precision_dtype(run.precision),
-                                      run.load_in_4bit ? &run.quant : nullptr,
+      base_description_(Device::meta, nullptr, 0),
+      weights_(ModelWeights::allocate(shards_base(run, communicator) ? base_description_ : memory_, model_,
+                                      precision_dtype(run.precision), run.load_in_4bit ? &run.quant : nullptr,
                                       run.offload_embeddings ? &backend : nullptr)),
+      sharded_base_(shards_base(run, communicator)
+                        ? make_sharded_base(backend, memory_, base_description_, communicator)
+                        : nullptr),
       lora_(LoraState::allocate(memory_, model_, run.lora_config(), precision_dtype(run.precision),
                                 /*with_optimizer=*/!is_data_parallel(communicator),
                                 is_data_parallel(communicator) ? lora_flat_multiple(communicator->world_size()) : 0)),
@@ -47,6 +65,11 @@ Engine::Engine(Backend& backend, void* arena, uint64_t arena_bytes, const RunCon
                                              Shape{static_cast<int64_t>(backend.workspace_bytes())})),
       step_(backend_, memory_, model_, run.step_options(), weights_, lora_) {
   backend_.bind_workspace(backend_workspace_);
+  if (sharded_base_) {
+    for (const HostAllocationRecord& h : base_description_.host_records()) memory_.record_host(h.name, h.bytes);
+    sharded_views_ = std::make_unique<ShardedBaseWeights>(*sharded_base_, weights_);
+    step_.set_frozen_base_units(sharded_views_.get());
+  }
   if (is_data_parallel(communicator)) {
     MT_USER_CHECK(run.ddp_bucket_cap_mb > 0, "ddp_bucket_cap_mb {}: expected a positive size", run.ddp_bucket_cap_mb);
     DataParallelOptions options;
@@ -57,11 +80,34 @@ Engine::Engine(Backend& backend, void* arena, uint64_t arena_bytes, const RunCon
 
 Engine::~Engine() { backend_.bind_workspace(Tensor{}); }
 
+void Engine::fill_base_by_unit(const std::function<void(const std::vector<size_t>& rows)>& fill) {
+  if (!sharded_base_) {
+    std::vector<size_t> all(weights_.table.size());
+    for (size_t i = 0; i < all.size(); ++i) all[i] = i;
+    return fill(all);
+  }
+  std::vector<bool> in_unit(weights_.table.size(), false);
+  for (int u = 0; u < static_cast<int>(sharded_base_->layout().units.size()); ++u) {
+    sharded_views_->bind(u, 0);
+    fill(sharded_views_->table_rows(u));
+    sharded_base_->keep_shard_of(u, 0);
+    sharded_views_->unbind(u);
+    for (size_t i : sharded_views_->table_rows(u)) in_unit[i] = true;
+  }
+  // What lives outside the arena (the embedding table on the host) is filled in place.
+  std::vector<size_t> rest;
+  for (size_t i = 0; i < in_unit.size(); ++i)
+    if (!in_unit[i]) rest.push_back(i);
+  if (!rest.empty()) fill(rest);
+}
+
 int Engine::rank() const { return data_parallel_ ? data_parallel_->comm().rank() : 0; }
 int Engine::world_size() const { return data_parallel_ ? data_parallel_->comm().world_size() : 1; }
 
 void Engine::init_random_weights(uint64_t seed) {
-  weights_.init_random(backend_, model_, seed, memory_.free_tail());
+  fill_base_by_unit([&](const std::vector<size_t>& rows) {
+    weights_.init_random_rows(backend_, model_, seed, rows, memory_.free_tail());
+  });
 }
 
 void Engine::init_adapters(uint64_t seed) {
@@ -84,20 +130,22 @@ void Engine::load_base_checkpoint(const std::filesystem::path& checkpoint_path) 
   // quantized here under load_in_4bit.
   const BaseCheckpoint base(checkpoint_path, model_);
   MT_ASSERT(base.table().size() == weights_.table.size(), "load_base_checkpoint: parameter tables differ");
-  for (size_t i = 0; i < weights_.table.size(); ++i) {
-    if (const SafetensorsTensor* t = base.dense(i)) {
-      // safetensors data need not be aligned for its dtype: copy before reading it as numbers.
-      std::vector<uint8_t> aligned(t->nbytes);
-      std::memcpy(aligned.data(), t->data, t->nbytes);
-      weights_.upload(backend_, i, aligned.data(), t->dtype, memory_.free_tail());
-    } else if (weights_.is_quantized(i)) {
-      weights_.upload_quantized(backend_, i, base.read_4bit(i));
-    } else {
-      const std::vector<float> values = base.read_f32(i);
-      weights_.upload(backend_, i, values.data(), DType::f32, memory_.free_tail());
+  fill_base_by_unit([&](const std::vector<size_t>& rows) {
+    for (size_t i : rows) {
+      if (const SafetensorsTensor* t = base.dense(i)) {
+        // safetensors data need not be aligned for its dtype: copy before reading it as numbers.
+        std::vector<uint8_t> aligned(t->nbytes);
+        std::memcpy(aligned.data(), t->data, t->nbytes);
+        weights_.upload(backend_, i, aligned.data(), t->dtype, memory_.free_tail());
+      } else if (weights_.is_quantized(i)) {
+        weights_.upload_quantized(backend_, i, base.read_4bit(i));
+      } else {
+        const std::vector<float> values = base.read_f32(i);
+        weights_.upload(backend_, i, values.data(), DType::f32, memory_.free_tail());
+      }
+      base.release(i);
     }
-    base.release(i);
-  }
+  });
 }
 
 void Engine::load_adapter(const std::filesystem::path& adapter_dir) {

@@ -19,6 +19,8 @@ namespace memtune {
 
 class Communicator;          // dist/communicator.h
 class DataParallelAdapters;  // dist/data_parallel.h
+class ShardedBase;           // dist/sharded_base.h
+class ShardedBaseWeights;
 
 // One micro-batch on the host, already shifted: targets[t] is the label of token t + 1.
 struct HostMicroBatch {
@@ -69,6 +71,8 @@ class Engine {
   Engine& operator=(const Engine&) = delete;
 
   Memory& memory() { return memory_; }
+  // With the base sharded (base_sharded()), the weights' tensors hold bytes only inside a step's
+  // visit of their unit (dist/sharded_base.h); outside they are null.
   const ModelWeights& weights() const { return weights_; }
   ModelWeights& weights() { return weights_; }
   LoraState& lora() { return lora_; }
@@ -80,6 +84,9 @@ class Engine {
   int rank() const;
   int world_size() const;
   DataParallelAdapters* data_parallel() { return data_parallel_.get(); }
+  // run.shard_base with world_size > 1: this rank keeps its shard of the frozen base.
+  bool base_sharded() const { return sharded_base_ != nullptr; }
+  const ShardedBase* sharded_base() const { return sharded_base_.get(); }
   // ---- end data parallel ----
 
   void init_random_weights(uint64_t seed);
@@ -109,24 +116,34 @@ class Engine {
   // step (possibly none), normalised by the valid targets of every rank's micro-batches; the
   // report's loss and tokens are the global ones.
   StepReport train_step(const std::vector<HostMicroBatch>& micro_batches);
-  // Sum of token losses and count of valid targets.
+  // Sum of token losses and count of valid targets. With the base sharded, every rank must make
+  // the same calls (each pass gathers the base: collectives).
   std::pair<double, int64_t> eval_loss_sum(const HostMicroBatch& batch);
   const LossScalerState& scaler() const { return scaler_; }
   int64_t steps_done() const { return steps_done_; }
 
  private:
   void upload(const HostMicroBatch& batch);
+  // Runs fill(table rows) over the base one unit at a time: with the base sharded, each unit's
+  // weights are pointed at gather buffer 0 (or its whole shard), filled, and this rank's shard
+  // kept; else once over every row.
+  void fill_base_by_unit(const std::function<void(const std::vector<size_t>& rows)>& fill);
 
   Backend& backend_;
   RunConfig run_;
   LlamaConfig model_;
   Memory memory_;
+  // With the base sharded: the whole base described on the meta device (never allocated); its
+  // records are the sharded layout's source.
+  Memory base_description_;
   ModelWeights weights_;
+  std::unique_ptr<ShardedBase> sharded_base_;  // run.shard_base and world_size > 1 only
   LoraState lora_;
   Tensor grad_norm_sq_;  // f32 [1]
   Tensor backend_workspace_;  // Backend::workspace_bytes() of planned scratch, bound to the backend
   LlamaStep step_;
   std::unique_ptr<DataParallelAdapters> data_parallel_;  // world_size > 1 only
+  std::unique_ptr<ShardedBaseWeights> sharded_views_;    // beside sharded_base_
   LossScalerState scaler_;
   int64_t steps_done_ = 0;
   std::function<void(const std::filesystem::path&)> checkpoint_write_hook_;

@@ -46,6 +46,10 @@ struct RunConfig {
   // ddp_bucket_cap_mb, PyTorch DDP's bucket_cap_mb; 25 there too). Smaller buckets start
   // communicating earlier in the backward, larger ones make fewer calls.
   double ddp_bucket_cap_mb = 25;
+  // Several GPUs: the frozen base split across the ranks and gathered one unit (layer) at a
+  // time, just in time (FSDP-QLoRA; dist/sharded_base.h). Needs world_size > 1; one rank
+  // ignores it (the CLI refuses it there).
+  bool shard_base = false;
   int64_t per_device_train_batch_size = 1;
   int64_t gradient_accumulation_steps = 1;
   int64_t max_seq_length = 256;

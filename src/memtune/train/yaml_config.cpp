@@ -36,6 +36,7 @@ void apply_run_yaml(const std::filesystem::path& path, RunConfig& run) {
       {"offload_activations", set(run.offload_activations)},
       {"offload_embeddings", set(run.offload_embeddings)},
       {"ddp_bucket_cap_mb", set(run.ddp_bucket_cap_mb)},
+      {"shard_base", set(run.shard_base)},
       {"per_device_train_batch_size", set(run.per_device_train_batch_size)},
       {"gradient_accumulation_steps", set(run.gradient_accumulation_steps)},
       {"max_seq_length", set(run.max_seq_length)},
