@@ -195,19 +195,17 @@ Tensor LlamaStep::lora_input_projection(int layer, Projection p, const Tensor& x
 void LlamaStep::linear_forward(int layer, Projection p, const Tensor& x, int64_t first_row,
                                const Tensor& y, Tensor* lora_u, MemCategory u_category,
                                uint64_t dropout_seed, bool training) {
-  // The low-rank term goes first, into y, and the base GEMM adds onto it (beta 1): reading y in
-  // the epilogue of a compute-bound GEMM is nearly free, while adding the thin u B^T GEMM onto a
-  // finished y is a read-modify-write of all of y (117 MB per gate/up call at 8B, 2 x 2048).
-  const LoraTensors* adapter = lora_.find(layer, p);
-  Tensor u;
-  if (adapter != nullptr) {
-    u = lora_input_projection(layer, p, x, first_row, u_category, dropout_seed, training);
-    backend_.matmul(y, u, false, adapter->b_compute, true, lora_scale_, 0.0f);
-  }
   const Tensor w = frozen_weight(layer, p);
-  backend_.matmul(y, x, false, w, true, 1.0f, adapter != nullptr ? 1.0f : 0.0f);
+  backend_.matmul(y, x, false, w, true, 1.0f, 0.0f);
   release_frozen_weight(layer, p, w);
+  const LoraTensors* adapter = lora_.find(layer, p);
   if (adapter == nullptr) return;
+  // PEFT's order: the base output first, then the low-rank term added onto it. (Writing the
+  // low-rank term first and letting the base GEMM add onto it with beta 1 saves a pass over y,
+  // but it measured further from Hugging Face's bf16 goldens on the GPU than the CPU oracle
+  // is: bench/NOTES.md, 2026-12-03.)
+  Tensor u = lora_input_projection(layer, p, x, first_row, u_category, dropout_seed, training);
+  backend_.matmul(y, u, false, adapter->b_compute, true, lora_scale_, 1.0f);
   if (lora_u != nullptr) *lora_u = u;
   else memory_.free(u);
 }
@@ -239,12 +237,9 @@ void LlamaStep::linear_backward(int layer, Projection p, const Tensor& dy, const
       backend_.matmul(adapter->grad_a, du, true, x, false, 1.0f, 1.0f);
     }
   }
-  // x is not read from here on. Without dropout the low-rank term du A goes into dx first and
-  // the base GEMM adds onto it, for the reason given in linear_forward.
-  const bool lora_first = adapter != nullptr && lora_dropout_ == 0.0f;
-  if (lora_first) backend_.matmul(dx, du, false, adapter->a_compute, false, 1.0f, accumulate ? 1.0f : 0.0f);
+  // x is not read from here on.
   const Tensor w = frozen_weight(layer, p);
-  backend_.matmul(dx, dy, false, w, false, 1.0f, accumulate || lora_first ? 1.0f : 0.0f);
+  backend_.matmul(dx, dy, false, w, false, 1.0f, accumulate ? 1.0f : 0.0f);
   release_frozen_weight(layer, p, w);
   if (adapter == nullptr) return;
   if (lora_dropout_ > 0.0f) {
@@ -255,6 +250,8 @@ void LlamaStep::linear_backward(int layer, Projection p, const Tensor& dy, const
     backend_.dropout(d_dropped_x, d_dropped_x, lora_dropout_, mask_seed, mask_offset);
     backend_.add(dx, dx, d_dropped_x);
     memory_.free(d_dropped_x);
+  } else {
+    backend_.matmul(dx, du, false, adapter->a_compute, false, 1.0f, 1.0f);
   }
   memory_.free(du);
 }
