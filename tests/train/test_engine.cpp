@@ -19,17 +19,6 @@ using namespace enginetest;
 
 using HostTensorF32 = std::vector<float>;
 
-std::vector<float> all_grads(Engine& engine) {
-  std::vector<float> out;
-  for (const LoraTensors& t : engine.lora().tensors())
-    for (const Tensor* g : {&t.grad_a, &t.grad_b}) {
-      std::vector<float> host(g->numel());
-      engine.backend().copy_to_host(host.data(), *g);
-      out.insert(out.end(), host.begin(), host.end());
-    }
-  return out;
-}
-
 struct StepResult {
   double loss;
   std::vector<float> grads;
@@ -39,23 +28,13 @@ struct StepResult {
 StepResult one_step(const RunConfig& run, const LlamaConfig& model) {
   auto cpu = make_cpu_backend();
   PlannedEngine engine(*cpu, run, model);
-  engine->init_random_weights(7);
-  engine->init_adapters(11);
-  for (const LoraTensors& t : engine->lora().tensors())
-    cpu->fill_random(t.b, Backend::Distribution::normal, 0.0f, 0.05f, 3);
-  engine->lora().sync_compute_copies(*cpu);
+  init_with_nonzero_b(engine.engine());
   const double loss_scale = run.precision == Precision::fp16 ? engine->scaler().scale : 1.0;
   const StepReport report = engine->train_step(random_batches(model, run, 2, 5));
   EXPECT_FALSE(report.skipped);
-  std::vector<float> grads = all_grads(engine.engine());
+  std::vector<float> grads = adapter_grads(engine.engine());
   for (float& g : grads) g = static_cast<float>(g / loss_scale);  // fp16 grads are stored scaled
   return {report.loss, grads};
-}
-
-double rel_error(const std::vector<float>& a, const std::vector<float>& b) {
-  double d = 0, r = 0;
-  for (size_t i = 0; i < a.size(); ++i) d += (double(a[i]) - b[i]) * (double(a[i]) - b[i]), r += double(b[i]) * b[i];
-  return std::sqrt(d / r);
 }
 
 TEST(Engine, PlannedArenaEqualsAllocatedAndNoLiveBuffersOverlap) {
@@ -166,7 +145,7 @@ TEST(Engine, QloraStepEqualsBf16StepOnTheDequantizedWeights) {
     const StepReport a = qlora->train_step(batches);
     const StepReport b = dense->train_step(batches);
     EXPECT_NEAR(a.loss, b.loss, 1e-6 * b.loss);
-    EXPECT_LT(rel_error(all_grads(qlora.engine()), all_grads(dense.engine())), 1e-6);
+    EXPECT_LT(rel_error(adapter_grads(qlora.engine()), adapter_grads(dense.engine())), 1e-6);
     // And the 4-bit base is a real approximation: its plan is smaller.
     EXPECT_LT(qlora.plan().at_peak[static_cast<int>(MemCategory::frozen_weights)],
               dense.plan().at_peak[static_cast<int>(MemCategory::frozen_weights)]);

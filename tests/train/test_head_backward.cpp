@@ -4,7 +4,6 @@
 // not change the step; and the plan holds only one slice beside the fp32 logits.
 #include <gtest/gtest.h>
 
-#include <cmath>
 #include <string>
 #include <vector>
 
@@ -28,30 +27,12 @@ struct HeadStep {
 HeadStep one_bf16_step(const RunConfig& run, const LlamaConfig& model) {
   auto cpu = make_cpu_backend();
   PlannedEngine engine(*cpu, run, model);
-  engine->init_random_weights(7);
-  engine->init_adapters(11);
   // A non-zero B: every LoRA grad, the A's included, depends on d_normed.
-  for (const LoraTensors& t : engine->lora().tensors())
-    cpu->fill_random(t.b, Backend::Distribution::normal, 0.0f, 0.05f, 3);
-  engine->lora().sync_compute_copies(*cpu);
+  enginetest::init_with_nonzero_b(engine.engine());
   const StepReport report = engine->train_step(enginetest::random_batches(model, run, 2, 5));
   EXPECT_FALSE(report.skipped);
-  HeadStep result{report.loss, {}, 0};
-  for (const LoraTensors& t : engine->lora().tensors())
-    for (const Tensor* g : {&t.grad_a, &t.grad_b}) {
-      std::vector<float> host(g->numel());
-      cpu->copy_to_host(host.data(), *g);
-      result.grads.insert(result.grads.end(), host.begin(), host.end());
-    }
-  result.logits_bytes_max =
-      engine->memory().allocator().max_by_category()[static_cast<int>(MemCategory::logits_loss)];
-  return result;
-}
-
-double relative_difference(const std::vector<float>& a, const std::vector<float>& b) {
-  double d = 0, r = 0;
-  for (size_t i = 0; i < a.size(); ++i) d += (double(a[i]) - b[i]) * (double(a[i]) - b[i]), r += double(b[i]) * b[i];
-  return std::sqrt(d / r);
+  return {report.loss, enginetest::adapter_grads(engine.engine()),
+          engine->memory().allocator().max_by_category()[static_cast<int>(MemCategory::logits_loss)]};
 }
 
 }  // namespace
@@ -74,7 +55,7 @@ TEST(HeadBackward, SlicedDLogitsConversionIsTheSameStep) {
       const HeadStep sliced = one_bf16_step(sliced_run, model);
       const std::string what = fmt::format("{} loss, {} rows per slice", loss, rows);
       EXPECT_EQ(sliced.loss, whole.loss) << what;  // the forward is untouched
-      EXPECT_LT(relative_difference(sliced.grads, whole.grads), 1e-6) << what;
+      EXPECT_LT(enginetest::rel_error(sliced.grads, whole.grads), 1e-6) << what;
       // The bf16 slice beside the fp32 logits shrinks with the slice.
       EXPECT_LT(sliced.logits_bytes_max, whole.logits_bytes_max) << what;
     }

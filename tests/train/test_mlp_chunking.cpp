@@ -23,6 +23,7 @@ using namespace memtune;
 namespace {
 
 using enginetest::random_batches;
+using enginetest::rel_error;
 using enginetest::small_model;
 
 constexpr int64_t kBatch = 2, kSeq = 24, kTokens = kBatch * kSeq;
@@ -49,32 +50,16 @@ struct StepResult {
 StepResult one_step(const RunConfig& run, const LlamaConfig& model) {
   auto cpu = make_cpu_backend();
   PlannedEngine engine(*cpu, run, model);
-  engine->init_random_weights(7);
-  engine->init_adapters(11);
-  for (const LoraTensors& t : engine->lora().tensors())
-    cpu->fill_random(t.b, Backend::Distribution::normal, 0.0f, 0.05f, 3);
-  engine->lora().sync_compute_copies(*cpu);
+  enginetest::init_with_nonzero_b(engine.engine());
   // Eval first: after the step the adapters carry the grads' last-bit differences.
   const double eval_loss = engine->eval_loss_sum(random_batches(model, run, 1, 6)[0]).first;
   const StepReport report = engine->train_step(random_batches(model, run, 2, 5));
   EXPECT_FALSE(report.skipped);
-  StepResult result{report.loss, eval_loss, {}};
-  for (const LoraTensors& t : engine->lora().tensors())
-    for (const Tensor* g : {&t.grad_a, &t.grad_b}) {
-      std::vector<float> host(g->numel());
-      cpu->copy_to_host(host.data(), *g);
-      result.grads.insert(result.grads.end(), host.begin(), host.end());
-    }
+  StepResult result{report.loss, eval_loss, enginetest::adapter_grads(engine.engine())};
   // The plan (one micro-batch and an eval) peaks where the step does (test_engine.cpp checks the
   // records one by one).
   EXPECT_EQ(engine->memory().allocator().high_water(), engine.plan().arena_bytes);
   return result;
-}
-
-double rel_error(const std::vector<float>& a, const std::vector<float>& b) {
-  double d = 0, r = 0;
-  for (size_t i = 0; i < a.size(); ++i) d += (double(a[i]) - b[i]) * (double(a[i]) - b[i]), r += double(b[i]) * b[i];
-  return std::sqrt(d / r);
 }
 
 TEST(MlpChunking, DropoutOfARowSliceWithItsOffsetIsThatSliceOfTheWholeMask) {
