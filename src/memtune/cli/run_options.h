@@ -65,11 +65,10 @@ inline void resolve_run_flags(RunConfig& run, const RunFlags& flags) {
   else mt_fail("--lr_scheduler_type {}: expected constant, linear or cosine", flags.lr_scheduler_type);
   run.quant.type = parse_quant_type(flags.quant_type, "--bnb_4bit_quant_type");
   if (run.attn_implementation == "flash_attention_2") run.attn_implementation = "flash";
-  // auto (and sdpa, which in torch picks the fastest fused kernel there is): cuDNN's fused
-  // attention where this build, libcudnn and the GPU have it (the faster one: bench/NOTES.md),
-  // else memtune's own flash kernel.
+  // auto (and sdpa, which in torch picks the fastest fused kernel there is). The device is not
+  // chosen yet here: taken as CUDA, which gives flash wherever no GPU can run cuDNN.
   if (run.attn_implementation == "auto" || run.attn_implementation == "sdpa")
-    run.attn_implementation = cudnn_attention_available() ? "cudnn" : "flash";
+    run.attn_implementation = fastest_fused_attention(Device::cuda);
   run.validate();
 }
 

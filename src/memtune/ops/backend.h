@@ -47,6 +47,11 @@ inline int64_t cudnn_attention_workspace_floats(const AttentionDims& d, bool bac
 
 // True when this build has cuDNN attention and the loaded libcudnn (9.x) and the GPU can run it.
 bool cudnn_attention_available();
+// What "auto" fused attention means for a run on `target`: "cudnn" (the faster one on the H200,
+// bench/NOTES.md) on a CUDA device that has it, else "flash" (memtune's own kernel).
+inline const char* fastest_fused_attention(Device target) {
+  return target == Device::cuda && cudnn_attention_available() ? "cudnn" : "flash";
+}
 
 struct AdamWParams {
   float lr = 1e-3f, beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f, weight_decay = 1e-2f;

@@ -124,12 +124,9 @@ nlohmann::json run_ladder(const LadderOptions& options) {
   MT_USER_CHECK(options.flash_backend == "auto" || options.flash_backend == "flash" ||
                     options.flash_backend == "cudnn",
                 "--flash-backend {}: expected auto, flash or cudnn", options.flash_backend);
-  // The flash trick with the fused backend asked for (the rung keeps its name). auto: cuDNN's
-  // fused attention where this build and GPU have it (the faster one on the H200: see
-  // bench/NOTES.md), else memtune's own kernel.
+  // The flash trick with the fused backend asked for (the rung keeps its name).
   const std::string flash_backend =
-      options.flash_backend != "auto" ? options.flash_backend
-      : device.target == Device::cuda && cudnn_attention_available() ? "cudnn" : "flash";
+      options.flash_backend != "auto" ? options.flash_backend : fastest_fused_attention(device.target);
   const auto apply = [&](const Trick& t, RunConfig& r) {
     t.apply(r);
     if (r.attn_implementation == "flash") r.attn_implementation = flash_backend;
