@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""The peer's attention kernels on the shape that memtune's GPU test times (TIMING line of
-CudaAttentionTest.TimingPrintFlashVsEager): causal, batch 8, seq 2048, 32 query / 8 kv heads,
-head_dim 128, bf16. Reports forward, backward and forward+backward TFLOP/s for PyTorch SDPA's
+"""The peer's attention kernels on the shapes that memtune's GPU tests time (the TIMING lines of
+CudaAttentionTest.TimingPrintFlashVsEager and CudnnAttentionTest.TimingPrintCudnnVsFlash): causal,
+32 query / 8 kv heads, bf16, at batch 8 x seq 2048 (head_dim 128 and 64), 2 x 8192 and 1 x 32768. Reports forward, backward and forward+backward TFLOP/s for PyTorch SDPA's
 flash backend and its cuDNN backend, counted the same way as memtune (causal: half of
 4*b*h*s*s*d forward, 2.5x that for the backward)."""
 import sys
@@ -24,11 +24,7 @@ def time_ms(fn, repeats=7):
     return sorted(samples)[len(samples) // 2]
 
 
-def main():
-    if not torch.cuda.is_available():
-        print("no CUDA device")
-        return 0
-    b, s, h, kv, d = 8, 2048, 32, 8, 128
+def time_shape(b, s, h, kv, d):
     forward_flops = 4 * b * h * s * s * d / 2
     backward_flops = 2.5 * forward_flops
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -59,6 +55,14 @@ def main():
             del out
         except RuntimeError as error:
             print(f"  {name:11s} unavailable: {str(error).splitlines()[0]}")
+
+
+def main():
+    if not torch.cuda.is_available():
+        print("no CUDA device")
+        return 0
+    for b, s, d in ((8, 2048, 128), (2, 8192, 128), (1, 32768, 128), (8, 2048, 64)):
+        time_shape(b, s, 32, 8, d)
     return 0
 
 

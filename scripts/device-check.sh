@@ -9,10 +9,13 @@
 #       tests      memtune_gpu_tests (every kernel and whole steps against the CPU backend)
 #       sanitizer  compute-sanitizer memcheck and racecheck on a short training run
 #       ladder     the memory ladder, Llama-3.1-8B architecture (random weights), b2 x 2048
+#       ladder-offload  the same ladder with --offload_activations (the checkpointing rungs keep
+#                  their checkpointed layer inputs in pinned host memory), into ladder-offload/
 #       peer       bench/peer_hf.py: transformers + PEFT (+ bitsandbytes) on the same rungs
 #       bench      the op benchmarks in BIN_DIR (bench_*), where built
 #       fullstack  single 8B training runs at the ladder's shape: the full stack (auto and 1024-row
-#                  token chunks) and the flash rung with activation + embedding offload
+#                  token chunks, and with activation offload) and the flash rung with activation +
+#                  embedding offload
 #       longctx    Llama-3.1-8B QLoRA (full stack) at batch 1 x LONG_SEQ (default 131072) with
 #                  --offload_activations --offload_embeddings under --vram 24GiB for LONG_STEPS
 #                  (default 3) steps, device peak sampled by nvidia-smi, host memory from the
@@ -91,6 +94,17 @@ if has_part ladder; then
   tail -c 5000 "$WORK/ladder.log"
 fi
 
+if has_part ladder-offload; then
+  stamp ladder-offload
+  timeout "${LADDER_TIMEOUT:-420}" "$BIN_DIR/memtune" ladder $MODEL_ARGS --vram 24GiB --device cuda \
+    --steps-per-rung "$STEPS" --out "$WORK/ladder-offload" ${LADDER_ARGS:-} --offload_activations \
+    > "$WORK/ladder-offload.log" 2>&1
+  rc=$?
+  echo "memtune ladder --offload_activations exit code: $rc"
+  [ $rc -ne 0 ] && status=1
+  tail -c 3000 "$WORK/ladder-offload.log"
+fi
+
 if has_part peer; then
   stamp peer
   # Sourced: where pip refuses a system install it installs to a folder and exports PYTHONPATH.
@@ -108,10 +122,12 @@ if has_part peer; then
   echo "peer_hf.py exit code: $rc"
   [ $rc -ne 0 ] && status=1
   tail -c 4000 "$WORK/peer.log"
-  if [ -f "$WORK/ladder/ladder.json" ] && [ -f "$WORK/peer.json" ]; then
-    "$BIN_DIR/memtune" report --ladder "$WORK/ladder/ladder.json" --peer "$WORK/peer.json" \
-      --out "$WORK/ladder" > "$WORK/report.log" 2>&1 && tail -c 4000 "$WORK/report.log"
-  fi
+  for ladder in ladder ladder-offload; do
+    if [ -f "$WORK/$ladder/ladder.json" ] && [ -f "$WORK/peer.json" ]; then
+      "$BIN_DIR/memtune" report --ladder "$WORK/$ladder/ladder.json" --peer "$WORK/peer.json" \
+        --out "$WORK/$ladder" > "$WORK/report-$ladder.log" 2>&1 && tail -c 4000 "$WORK/report-$ladder.log"
+    fi
+  done
 fi
 
 if has_part bench; then
@@ -130,13 +146,15 @@ if has_part fullstack; then
   # Single runs at the ladder's shape (b2 x acc2 x 2048, 8B, random weights), 6 steps each; tokens/s
   # = mean of steps 2..6 from --metrics, device peak = nvidia-smi maximum sampled every 100 ms.
   #   full-stack-*   QLoRA + checkpointing + fused attention (auto: cuDNN) + chunked loss + host
-  #                  embeddings, token chunks auto or 1024 rows
+  #                  embeddings, token chunks auto or 1024 rows, or auto with the checkpointed
+  #                  layer inputs offloaded to the host
   #   flash-rung-offload  the ladder's flash rung (bf16, checkpointing, fused attention, full loss)
   #                  with host embeddings and the checkpointed layer inputs offloaded to the host
   F="$WORK/fullstack"; mkdir -p "$F"
   COMMON="--device cuda --model llama-3.1-8b --batch 2 --accum ${LADDER_ACCUM:-2} --seq 2048 --lora_r 16 --lora_alpha 16 --max_steps 6 --quiet"
   STACK="--load_in_4bit --bf16 --gradient_checkpointing --attn_implementation auto --loss_implementation chunked --offload_embeddings"
   for variant in "full-stack-auto|$STACK" "full-stack-1024|$STACK --mlp_chunk_tokens 1024" \
+                 "full-stack-offload|$STACK --offload_activations" \
                  "flash-rung-offload|--bf16 --gradient_checkpointing --attn_implementation auto --offload_embeddings --offload_activations"; do
     name=${variant%%|*}; args=${variant#*|}
     nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 100 > "$F/$name.smi" 2>&1 &

@@ -6,7 +6,17 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PATH=/usr/local/cuda/bin:$PATH
-cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DMEMTUNE_CUDA_ARCHS=90 >/dev/null
+# The cuDNN frontend headers (build-deps/, not in git): without them the device binaries lack the
+# cuDNN attention backend and its tests skip, so a device build refuses to go on without it
+# (ALLOW_NO_CUDNN=1 to build anyway).
+bash scripts/fetch-cudnn-frontend.sh
+mkdir -p build
+cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DMEMTUNE_CUDA_ARCHS=90 > build/configure.log
+if ! grep -q "cuDNN attention ON" build/configure.log && [ "${ALLOW_NO_CUDNN:-0}" != 1 ]; then
+  grep "cuDNN attention" build/configure.log >&2
+  echo "prepare-devbin: cuDNN attention is OFF in this build (set ALLOW_NO_CUDNN=1 to go on without it)" >&2
+  exit 1
+fi
 cmake --build build -j "$(nproc)"
 rm -rf .devbin && mkdir -p .devbin
 cp build/memtune build/memtune_gpu_tests .devbin/

@@ -1,5 +1,6 @@
 // The command line of activation offload and of long contexts: --offload_activations (and its
-// YAML key) in the plan, its refusal without checkpointing, and fit --max-context.
+// YAML key) in the plan, its refusal without checkpointing, in the ladder (the checkpointing
+// rungs only), and fit --max-context.
 #include <gtest/gtest.h>
 
 #include <fmt/format.h>
@@ -87,6 +88,32 @@ TEST(CliFit, MaxContextWithAndWithoutOffload) {
   EXPECT_NE(none.exit_code, 0);
   EXPECT_NE(none.output.find("nothing fits"), std::string::npos) << none.output;
   EXPECT_NE(none.output.find("no context of 256 tokens"), std::string::npos) << none.output;
+}
+
+// In a ladder, --offload_activations applies to the rungs that checkpoint, not to the baseline
+// (which would refuse it), and the rungs' techniques say so.
+TEST(CliOffload, TheLadderOffloadsTheCheckpointingRungsOnly) {
+  const fs::path dir = scratch_dir("offload_ladder");
+  const Result r = run_memtune("ladder --model tiny --seq 16 --batch 1 --accum 1 --steps-per-rung 1 --quiet --device cpu "
+                               "--order bf16,gradient_checkpointing --offload_activations --out " + dir.string());
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  std::ifstream in(dir / "ladder.json");
+  const nlohmann::json ladder = nlohmann::json::parse(in);
+  const nlohmann::json& rungs = ladder["rungs"];
+  ASSERT_EQ(rungs.size(), 3u);
+  const auto techniques = [&](size_t i) { return rungs[i]["techniques"].get<std::vector<std::string>>(); };
+  for (size_t i : {0u, 1u}) {
+    EXPECT_EQ(techniques(i)[2], "no-checkpointing") << i;
+    EXPECT_EQ(rungs[i]["planned"]["saved_activations"], rungs[0]["planned"]["saved_activations"]);
+  }
+  EXPECT_EQ(techniques(2)[2], "checkpointing+offload");
+  EXPECT_TRUE(rungs[2]["measured"].get<bool>());
+  // The offloaded checkpoints leave the device: fewer saved bytes than checkpointing alone plans.
+  const nlohmann::json alone = plan_json_of("--model tiny --seq 16 --batch 1 --bf16 --gradient_checkpointing");
+  const nlohmann::json offloaded = plan_json_of("--model tiny --seq 16 --batch 1 --bf16 --gradient_checkpointing --offload_activations");
+  const auto saved = [](const nlohmann::json& plan) { return plan["categories"]["saved_activations"].get<uint64_t>(); };
+  EXPECT_LT(saved(offloaded), saved(alone));
+  EXPECT_EQ(rungs[2]["planned"]["saved_activations"].get<uint64_t>(), saved(offloaded));
 }
 
 }  // namespace

@@ -198,46 +198,48 @@ TEST_F(CudnnAttentionTest, WholeStepMatchesFlash) {
   }
 }
 
-// A timing print, not a test: cuDNN vs memtune's flash kernel at the seed run's attention shape
-// (the same line format as test_cuda_attention.cpp's TIMING print; bench/attention_peer.py gives
-// PyTorch SDPA's in the same device call).
+// A timing print, not a test: memtune's flash kernel beside cuDNN's fused attention at the seed
+// run's shape (b8 s2048: 16k tokens per call) and at longer sequences and head_dim 64, the
+// shapes bench/attention_peer.py times for PyTorch's SDPA in the same device call.
 TEST_F(CudnnAttentionTest, TimingPrintCudnnVsFlash) {
-  const Config c{8, 2048, 32, 8, 128};
-  const AttentionDims dims = dims_of(c);
-  const int64_t n = c.batch * c.seq;
-  const HostTensor hq = random_tensor(DType::bf16, Shape{n, c.heads * c.head_dim}, rng_, -1.5, 1.5);
-  const HostTensor hk = random_tensor(DType::bf16, Shape{n, c.kv_heads * c.head_dim}, rng_, -1.5, 1.5);
-  const HostTensor hv = random_tensor(DType::bf16, Shape{n, c.kv_heads * c.head_dim}, rng_);
-  const HostTensor hdo = random_tensor(DType::bf16, Shape{n, c.heads * c.head_dim}, rng_);
-  DeviceTensor q = upload(hq), k = upload(hk), v = upload(hv), d_out = upload(hdo);
-  DeviceTensor out(gpu(), DType::bf16, hq.shape), lse(gpu(), DType::f32, Shape{c.batch * c.heads * c.seq});
-  DeviceTensor dq(gpu(), DType::bf16, hq.shape), dk(gpu(), DType::bf16, hk.shape), dv(gpu(), DType::bf16, hk.shape);
-  DeviceTensor delta(gpu(), DType::f32, Shape{c.batch * c.heads * c.seq}), dq_accum(gpu(), DType::f32, hq.shape);
-  DeviceTensor fwd_ws(gpu(), DType::f32, Shape{cudnn_attention_workspace_floats(dims, false)});
-  DeviceTensor bwd_ws(gpu(), DType::f32, Shape{cudnn_attention_workspace_floats(dims, true)});
-  // The first calls build the cuDNN graphs: three untimed calls.
-  auto time_ms = [](const std::function<void()>& run) { return median_event_ms(run, 3); };
-  const Tensor none;
-  const double flash_fwd = time_ms([&] { gpu().attention_flash_forward(out, lse, q, k, v, none, dims); });
-  const double flash_bwd = time_ms([&] {
-    gpu().attention_flash_backward(dq, dk, dv, delta, dq_accum, d_out, out, lse, q, k, v, none, dims);
-  });
-  const double cudnn_fwd =
-      time_ms([&] { gpu().attention_cudnn_forward(out, lse, q, k, v, none, fwd_ws, dims); });
-  const double cudnn_bwd = time_ms([&] {
-    gpu().attention_cudnn_backward(dq, dk, dv, delta, bwd_ws, d_out, out, lse, q, k, v, none, dims);
-  });
-  // Causal FLOPs (half the S x S products): forward 2 GEMMs, backward 5 (FA2's count).
-  const double pairs = static_cast<double>(c.batch) * c.heads * c.seq * c.seq / 2.0;
-  const double fwd_flops = 4.0 * pairs * c.head_dim, bwd_flops = 10.0 * pairs * c.head_dim;
-  auto tflops = [](double flops, double ms) { return flops / (ms * 1e-3) / 1e12; };
-  std::printf("TIMING attention b8 s2048 h32/8 d128 bf16 causal (median of 7), libcudnn %zu:\n",
-              cuda::cudnn_runtime_version());
-  for (const auto& [name, f, b] : {std::tuple{"memtune-flash", flash_fwd, flash_bwd},
-                                   std::tuple{"memtune-cudnn", cudnn_fwd, cudnn_bwd}})
-    std::printf("  %-13s fwd %8.3f ms %7.1f TFLOP/s | bwd %8.3f ms %7.1f TFLOP/s | fwd+bwd %7.1f TFLOP/s\n",
-                name, f, tflops(fwd_flops, f), b, tflops(bwd_flops, b), tflops(fwd_flops + bwd_flops, f + b));
-  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+  for (const Config c : {Config{8, 2048, 32, 8, 128}, Config{2, 8192, 32, 8, 128},
+                         Config{1, 32768, 32, 8, 128}, Config{8, 2048, 32, 8, 64}}) {
+    const AttentionDims dims = dims_of(c);
+    const int64_t n = c.batch * c.seq;
+    const HostTensor hq = random_tensor(DType::bf16, Shape{n, c.heads * c.head_dim}, rng_, -1.5, 1.5);
+    const HostTensor hk = random_tensor(DType::bf16, Shape{n, c.kv_heads * c.head_dim}, rng_, -1.5, 1.5);
+    const HostTensor hv = random_tensor(DType::bf16, Shape{n, c.kv_heads * c.head_dim}, rng_);
+    const HostTensor hdo = random_tensor(DType::bf16, Shape{n, c.heads * c.head_dim}, rng_);
+    DeviceTensor q = upload(hq), k = upload(hk), v = upload(hv), d_out = upload(hdo);
+    DeviceTensor out(gpu(), DType::bf16, hq.shape), lse(gpu(), DType::f32, Shape{c.batch * c.heads * c.seq});
+    DeviceTensor dq(gpu(), DType::bf16, hq.shape), dk(gpu(), DType::bf16, hk.shape), dv(gpu(), DType::bf16, hk.shape);
+    DeviceTensor delta(gpu(), DType::f32, Shape{c.batch * c.heads * c.seq}), dq_accum(gpu(), DType::f32, hq.shape);
+    DeviceTensor fwd_ws(gpu(), DType::f32, Shape{cudnn_attention_workspace_floats(dims, false)});
+    DeviceTensor bwd_ws(gpu(), DType::f32, Shape{cudnn_attention_workspace_floats(dims, true)});
+    // The first calls build the cuDNN graphs: three untimed calls.
+    auto time_ms = [](const std::function<void()>& run) { return median_event_ms(run, 3); };
+    const Tensor none;
+    const double flash_fwd = time_ms([&] { gpu().attention_flash_forward(out, lse, q, k, v, none, dims); });
+    const double flash_bwd = time_ms([&] {
+      gpu().attention_flash_backward(dq, dk, dv, delta, dq_accum, d_out, out, lse, q, k, v, none, dims);
+    });
+    const double cudnn_fwd =
+        time_ms([&] { gpu().attention_cudnn_forward(out, lse, q, k, v, none, fwd_ws, dims); });
+    const double cudnn_bwd = time_ms([&] {
+      gpu().attention_cudnn_backward(dq, dk, dv, delta, bwd_ws, d_out, out, lse, q, k, v, none, dims);
+    });
+    // Causal FLOPs (half the S x S products): forward 2 GEMMs, backward 5 (FA2's count).
+    const double pairs = static_cast<double>(c.batch) * c.heads * c.seq * c.seq / 2.0;
+    const double fwd_flops = 4.0 * pairs * c.head_dim, bwd_flops = 10.0 * pairs * c.head_dim;
+    auto tflops = [](double flops, double ms) { return flops / (ms * 1e-3) / 1e12; };
+    std::printf("TIMING attention %s causal (median of 7), libcudnn %zu:\n", label(c, DType::bf16).c_str(),
+                cuda::cudnn_runtime_version());
+    for (const auto& [name, f, b] : {std::tuple{"memtune-flash", flash_fwd, flash_bwd},
+                                     std::tuple{"memtune-cudnn", cudnn_fwd, cudnn_bwd}})
+      std::printf("  %-13s fwd %8.3f ms %7.1f TFLOP/s | bwd %8.3f ms %7.1f TFLOP/s | fwd+bwd %7.1f TFLOP/s\n",
+                  name, f, tflops(fwd_flops, f), b, tflops(bwd_flops, b), tflops(fwd_flops + bwd_flops, f + b));
+    EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+  }
 }
 
 }  // namespace

@@ -449,7 +449,9 @@ int run_cli(int argc, char** argv) {
   }
   // ---- end quantize ----
 
-  resolve_run_flags(run, flags);
+  // The ladder sets checkpointing per rung, so --offload_activations without
+  // --gradient_checkpointing is valid there (run_ladder validates every rung).
+  resolve_run_flags(run, flags, /*validate=*/!ladder_cmd->parsed());
   const ModelSource source = resolve_model(run.model);
   const LlamaConfig& model = source.config;
 

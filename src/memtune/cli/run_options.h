@@ -52,8 +52,9 @@ inline void add_run_options(CLI::App& app, RunConfig& run, RunFlags& flags) {
   app.add_option("--bnb_4bit_compute_dtype", run.bnb_4bit_compute_dtype, "bfloat16 | float16 | float32 (must match the precision)");
 }
 
-// Applies the flags that need resolving; throws memtune::Error on contradictions.
-inline void resolve_run_flags(RunConfig& run, const RunFlags& flags) {
+// Applies the flags that need resolving; throws memtune::Error on contradictions. A command
+// that builds its own configurations from the flags (the ladder) validates those instead.
+inline void resolve_run_flags(RunConfig& run, const RunFlags& flags, bool validate = true) {
   MT_USER_CHECK(int(flags.bf16) + int(flags.fp16) + int(flags.fp32) <= 1,
                 "--bf16, --fp16 and --fp32 exclude each other");
   if (flags.bf16) run.precision = Precision::bf16;
@@ -69,7 +70,7 @@ inline void resolve_run_flags(RunConfig& run, const RunFlags& flags) {
   // chosen yet here: taken as CUDA, which gives flash wherever no GPU can run cuDNN.
   if (run.attn_implementation == "auto" || run.attn_implementation == "sdpa")
     run.attn_implementation = fastest_fused_attention(Device::cuda);
-  run.validate();
+  if (validate) run.validate();
 }
 
 }  // namespace memtune

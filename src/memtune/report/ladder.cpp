@@ -102,6 +102,10 @@ nlohmann::json run_ladder(const LadderOptions& options) {
   for (const std::string& name : order) trick_named(name);
 
   RunConfig base = options.base;
+  // --offload_activations offloads the checkpointed layer inputs, so in a ladder it applies to
+  // the rungs that checkpoint and to none before them.
+  const bool offload_checkpoints = base.offload_activations;
+  base.offload_activations = false;
   base.precision = Precision::fp16;  // the seed's baseline: fp16, eager, no checkpointing, full loss
   base.attn_implementation = "eager";
   base.gradient_checkpointing = false;
@@ -130,6 +134,7 @@ nlohmann::json run_ladder(const LadderOptions& options) {
   const auto apply = [&](const Trick& t, RunConfig& r) {
     t.apply(r);
     if (r.attn_implementation == "flash") r.attn_implementation = flash_backend;
+    if (offload_checkpoints && r.gradient_checkpointing) r.offload_activations = true;
   };
   RunConfig stacked = base;
   for (const std::string& name : order) {

@@ -99,11 +99,15 @@ nlohmann::json mfu_context_json(const DeviceInfo& device) {
 }
 
 std::vector<std::string> techniques_of(const RunConfig& r) {
-  return {std::string(precision_name(r.precision)) + (r.load_in_4bit ? "+nf4-base" : ""), r.attn_implementation,
-          r.gradient_checkpointing ? "checkpointing" : "no-checkpointing",
-          r.loss_implementation + "-loss",
-          fmt::format("batch {} x accumulation {}", r.per_device_train_batch_size, r.gradient_accumulation_steps),
-          fmt::format("seq {}", r.max_seq_length)};
+  std::vector<std::string> techniques = {
+      std::string(precision_name(r.precision)) + (r.load_in_4bit ? "+nf4-base" : ""), r.attn_implementation,
+      r.gradient_checkpointing ? (r.offload_activations ? "checkpointing+offload" : "checkpointing") : "no-checkpointing",
+      r.loss_implementation + "-loss",
+      fmt::format("batch {} x accumulation {}", r.per_device_train_batch_size, r.gradient_accumulation_steps),
+      fmt::format("seq {}", r.max_seq_length)};
+  // Host memory that the device peak leaves out: say so where a reader compares the peaks.
+  if (r.offload_embeddings) techniques.push_back("host-embeddings");
+  return techniques;
 }
 
 double tokens_per_step(const RunConfig& run) {
