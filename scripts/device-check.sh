@@ -69,10 +69,12 @@ fi
 if has_part sanitizer; then
   stamp sanitizer
   # A short run touching every kernel family: eager and flash attention, checkpointing, the
-  # chunked loss, QLoRA dequantization and the optimizer, on the tiny model.
+  # chunked loss, QLoRA dequantization and the optimizer, and the offload copies (activations on
+  # the side stream, embeddings read from host memory), on the tiny model.
   for tool in memcheck racecheck; do
     for variant in "--bf16 --attn_implementation eager" \
-                   "--bf16 --attn_implementation flash --gradient_checkpointing --loss_implementation chunked --load_in_4bit"; do
+                   "--bf16 --attn_implementation flash --gradient_checkpointing --loss_implementation chunked --load_in_4bit" \
+                   "--bf16 --attn_implementation flash --gradient_checkpointing --offload_activations --offload_embeddings"; do
       timeout 240 compute-sanitizer --tool "$tool" --error-exitcode 9 \
         "$BIN_DIR/memtune" train --model tiny --device cuda --seq 64 --batch 2 --accum 2 \
         --max_steps 2 --quiet --out "$WORK/sanitizer-out" $variant \
