@@ -3,6 +3,7 @@
 # carries into .devbin/: memtune, memtune_gpu_tests, the bench binaries, a libgomp (the device's
 # distro may lack it), the Llama 3 tokenizer.json and COMMIT, the commit the binaries were built from ("-dirty" when the
 # tree had uncommitted changes). Then: run scripts/device-check.sh .devbin on the device.
+# DEVBIN_SLIM=1 leaves out the bench binaries and the tokenizer (see below).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PATH=/usr/local/cuda/bin:$PATH
@@ -20,10 +21,14 @@ fi
 cmake --build build -j "$(nproc)"
 rm -rf .devbin && mkdir -p .devbin
 cp build/memtune build/memtune_gpu_tests .devbin/
-for b in build/bench_*; do [ -x "$b" ] && cp "$b" .devbin/; done
 cp "$(g++ -print-file-name=libgomp.so.1)" .devbin/
-# The Llama 3 tokenizer for scripts/device-qlora-flow.sh (the shared data folder does not travel).
-TOKENIZER_JSON=${TOKENIZER_JSON:-../shared/data/llama3-tokenizer/tokenizer.json}
-[ -f "$TOKENIZER_JSON" ] && cp "$TOKENIZER_JSON" .devbin/
+# DEVBIN_SLIM=1: only what the tests, sanitizer, ladder, peer, fullstack and longctx parts use, so
+# that .devbin and the peer's wheels stay within the 64 MiB a device call carries.
+if [ "${DEVBIN_SLIM:-0}" != 1 ]; then
+  for b in build/bench_*; do [ -x "$b" ] && cp "$b" .devbin/; done
+  # The Llama 3 tokenizer for scripts/device-qlora-flow.sh (the shared data folder does not travel).
+  TOKENIZER_JSON=${TOKENIZER_JSON:-../shared/data/llama3-tokenizer/tokenizer.json}
+  [ -f "$TOKENIZER_JSON" ] && cp "$TOKENIZER_JSON" .devbin/
+fi
 git describe --always --dirty > .devbin/COMMIT
 du -sh .devbin; cat .devbin/COMMIT
