@@ -2,6 +2,7 @@
 // run, and seeded micro-batches with some padding, the same on every backend.
 #pragma once
 
+#include <array>
 #include <cmath>
 #include <vector>
 
@@ -70,22 +71,24 @@ inline std::vector<float> host_floats(Backend& backend, const Tensor& t) {
   return f32;
 }
 
-// Every adapter's A then B (the fp32 masters), in LoraState order, end to end.
-inline std::vector<float> adapter_values(Engine& engine) {
+// The two tensors of every adapter (picked by `pick`), in LoraState order, end to end.
+template <typename Pick>
+std::vector<float> adapter_floats(Engine& engine, Pick pick) {
   std::vector<float> out;
   for (const LoraTensors& t : engine.lora().tensors())
-    for (const Tensor* p : {&t.a, &t.b})
+    for (const Tensor* p : pick(t))
       for (float v : host_floats(engine.backend(), *p)) out.push_back(v);
   return out;
 }
 
+// Every adapter's A then B (the fp32 masters), in LoraState order, end to end.
+inline std::vector<float> adapter_values(Engine& engine) {
+  return adapter_floats(engine, [](const LoraTensors& t) { return std::array{&t.a, &t.b}; });
+}
+
 // Every adapter's grad of A then of B, in LoraState order, end to end.
 inline std::vector<float> adapter_grads(Engine& engine) {
-  std::vector<float> out;
-  for (const LoraTensors& t : engine.lora().tensors())
-    for (const Tensor* g : {&t.grad_a, &t.grad_b})
-      for (float v : host_floats(engine.backend(), *g)) out.push_back(v);
-  return out;
+  return adapter_floats(engine, [](const LoraTensors& t) { return std::array{&t.grad_a, &t.grad_b}; });
 }
 
 // ||a - b|| / ||b||.
