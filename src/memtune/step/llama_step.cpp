@@ -6,13 +6,6 @@
 #include "memtune/model/llama_config.h"
 
 namespace memtune {
-namespace {
-
-// The lm head's backward converts d_logits to the compute dtype this many elements at a time
-// (64 MiB in bf16): a few slices of a few hundred rows, each still a tall GEMM.
-constexpr int64_t kHeadBackwardSliceElements = int64_t{32} << 20;
-
-}  // namespace
 
 LlamaStep::LlamaStep(Backend& backend, Memory& memory, const LlamaConfig& config,
                      const StepOptions& options, const ModelWeights& weights,
@@ -601,8 +594,11 @@ void LlamaStep::loss_and_head(const Tensor& last_hidden, float loss_grad_scale, 
   for (int64_t begin = 0; begin < tokens_; begin += chunk) {
     const int64_t end = std::min(tokens_, begin + chunk);
     const Tensor targets = batch_.targets.slice_rows(begin, end);
-    // fp32 logits of this chunk, as HF's logits.float() (the whole batch when loss == full).
-    Tensor logits = memory_.alloc("loss.logits_f32", MemCategory::logits_loss, DType::f32, Shape{end - begin, vocab});
+    // The logits of this chunk (the whole batch when loss == full) in the compute dtype, as HF's
+    // lm_head writes them; the loss reads them in fp32 (HF's logits.float()) and writes d_logits
+    // over them in place, in the dtype the head's backward GEMM takes. One copy of the logits,
+    // never an fp32 one: 1 GiB, not 2 + a slice, at 4096 tokens x 128,256 in bf16.
+    Tensor logits = memory_.alloc("loss.logits", MemCategory::logits_loss, cd, Shape{end - begin, vocab});
     backend_.matmul(logits, normed.slice_rows(begin, end), false, weights_.lm_head, true, 1.0f, 0.0f);
     if (d_resid == nullptr) {
       backend_.cross_entropy_forward(loss_sum_, logits, targets);
@@ -610,26 +606,7 @@ void LlamaStep::loss_and_head(const Tensor& last_hidden, float loss_grad_scale, 
       continue;
     }
     backend_.cross_entropy_forward_backward(loss_sum_, logits, logits, targets, loss_grad_scale);
-    if (cd == DType::f32) {
-      backend_.matmul(d_normed.slice_rows(begin, end), logits, false, weights_.lm_head, false, 1.0f, 0.0f);
-    } else {
-      // The head's backward GEMM wants d_logits in the compute dtype. Converting the whole
-      // chunk at once would hold a second, half-size copy of the full logits (1 GiB at 4096
-      // tokens x 128,256): convert and multiply a bounded slice of rows at a time instead.
-      const int64_t rows = end - begin;
-      const int64_t wanted = options_.head_backward_slice_rows > 0 ? options_.head_backward_slice_rows
-                                                                    : kHeadBackwardSliceElements / vocab;
-      const int64_t slice = std::clamp<int64_t>(wanted, 1, rows);
-      Tensor d_logits = memory_.alloc("loss.d_logits", MemCategory::logits_loss, cd, Shape{slice, vocab});
-      for (int64_t row = 0; row < rows; row += slice) {
-        const int64_t row_end = std::min(rows, row + slice);
-        const Tensor d_slice = d_logits.slice_rows(0, row_end - row);
-        backend_.convert(d_slice, logits.slice_rows(row, row_end));
-        backend_.matmul(d_normed.slice_rows(begin + row, begin + row_end), d_slice, false,
-                        weights_.lm_head, false, 1.0f, 0.0f);
-      }
-      memory_.free(d_logits);
-    }
+    backend_.matmul(d_normed.slice_rows(begin, end), logits, false, weights_.lm_head, false, 1.0f, 0.0f);
     memory_.free(logits);
   }
   memory_.free(normed);

@@ -64,10 +64,6 @@ struct StepOptions {
   AttentionImpl attention = AttentionImpl::eager;
   LossImpl loss = LossImpl::full;
   int64_t loss_chunk_tokens = 512;   // for LossImpl::chunked
-  // Rows of d_logits converted to the compute dtype at a time in the lm head's backward;
-  // 0 = as many as fit in 32 Mi elements (a few hundred at a 128k vocabulary). Tests set it
-  // small to exercise the slicing with a small vocabulary.
-  int64_t head_backward_slice_rows = 0;
   bool gradient_checkpointing = false;  // save layer inputs only; recompute in backward
   // Token rows per chunk of a layer's row-wise parts where its activations are not saved
   // (checkpointing, eval); 0 = the whole micro-batch at once. See the header comment.

@@ -77,7 +77,6 @@ StepOptions RunConfig::step_options() const {
                                                  : AttentionImpl::flash;
   o.loss = loss_implementation == "chunked" ? LossImpl::chunked : LossImpl::full;
   o.loss_chunk_tokens = loss_chunk_tokens;
-  o.head_backward_slice_rows = head_backward_slice_rows;
   o.gradient_checkpointing = gradient_checkpointing;
   o.mlp_chunk_tokens = resolved_token_chunk_rows();
   o.offload_activations = offload_activations;

@@ -21,11 +21,9 @@ struct RunConfig {
   Precision precision = Precision::fp32;
   std::string attn_implementation = "eager";  // eager | flash (alias: flash_attention_2, sdpa) | cudnn
   std::string loss_implementation = "full";   // full | chunked
-  // 256 rows x a 128k vocabulary: 125 MiB of fp32 logits per chunk, small enough that the loss
+  // 256 rows x a 128k vocabulary: 63 MiB of bf16 logits per chunk, small enough that the loss
   // is not the peak of an 8B QLoRA step at 2 x 2048, large enough for full-speed GEMMs.
   int64_t loss_chunk_tokens = 256;
-  // StepOptions::head_backward_slice_rows (no command-line flag: a test knob; 0 = automatic).
-  int64_t head_backward_slice_rows = 0;
   bool gradient_checkpointing = false;
   // Token rows per chunk of a layer's row-wise parts (norms, projections, LoRA, MLP) where its
   // activations are not saved (with checkpointing the backward recomputes them chunk by chunk;
