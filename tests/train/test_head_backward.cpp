@@ -5,7 +5,6 @@
 // logits the same way, are the same step.
 #include <gtest/gtest.h>
 
-#include <string>
 #include <vector>
 
 #include "engine_test_util.h"
@@ -36,7 +35,7 @@ HeadStep one_step(const RunConfig& run, const LlamaConfig& model) {
 
 }  // namespace
 
-TEST(HeadBackward, SixteenBitLogitsAreHeldOnceInTheComputeDtype) {
+TEST(HeadBackward, LogitsAreHeldOnceInTheComputeDtype) {
   const LlamaConfig model = enginetest::small_model();
   for (const Precision precision : {Precision::bf16, Precision::fp16, Precision::fp32}) {
     RunConfig run = enginetest::small_run();

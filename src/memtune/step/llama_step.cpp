@@ -596,8 +596,8 @@ void LlamaStep::loss_and_head(const Tensor& last_hidden, float loss_grad_scale, 
     const Tensor targets = batch_.targets.slice_rows(begin, end);
     // The logits of this chunk (the whole batch when loss == full) in the compute dtype, as HF's
     // lm_head writes them; the loss reads them in fp32 (HF's logits.float()) and writes d_logits
-    // over them in place, in the dtype the head's backward GEMM takes. One copy of the logits,
-    // never an fp32 one: 1 GiB, not 2 + a slice, at 4096 tokens x 128,256 in bf16.
+    // over them in place, in the dtype the head's backward GEMM takes. So a 16-bit step holds
+    // one 16-bit copy of the logits and no fp32 one (1 GiB at 4096 tokens x 128,256 in bf16).
     Tensor logits = memory_.alloc("loss.logits", MemCategory::logits_loss, cd, Shape{end - begin, vocab});
     backend_.matmul(logits, normed.slice_rows(begin, end), false, weights_.lm_head, true, 1.0f, 0.0f);
     if (d_resid == nullptr) {
