@@ -2,6 +2,8 @@
 // eval and train, and clear errors with a non-zero exit for bad input.
 #include <gtest/gtest.h>
 
+#include <map>
+
 #include "cli_test_util.h"
 #include <sys/wait.h>
 
@@ -428,8 +430,10 @@ TEST(CliTrain, MetricsFileGetsOneLinePerStep) {
   const fs::path dir = scratch_dir("train_metrics");
   const Result r = run_memtune("train --device cpu --max_steps 3 --seq 8 --quiet --metrics " + (dir / "m.jsonl").string());
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  const std::vector<nlohmann::json> records = read_jsonl(dir / "m.jsonl");
-  ASSERT_EQ(records.size(), 3u);
+  std::vector<nlohmann::json> records = read_jsonl(dir / "m.jsonl");
+  ASSERT_EQ(records.size(), 4u);  // three steps and the run's summary
+  EXPECT_EQ(records.back()["event"], "summary");
+  records.pop_back();
   for (size_t i = 0; i < records.size(); ++i) {
     EXPECT_EQ(records[i]["event"], "step");
     EXPECT_EQ(records[i]["command"], "train");
@@ -565,6 +569,10 @@ TEST(CliErrors, BadTrainingDataGetsAClearMessageAndNonZeroExit) {
       {"--eval_split 0.1", "--eval_split splits --data"},
       {"--data " + text + " --eval_split 1.5", "--eval_split 1.5"},
       {"--data " + (dir / "absent.jsonl").string(), "absent.jsonl: No such file or directory"},
+      {"--data " + text + " --padding_free", "--padding_free needs flash or cuDNN attention"},
+      {"--data " + text + " --padding shortest", "--padding shortest: expected longest or max_length"},
+      {"--data " + text + " --pad_to_multiple_of 0", "--pad_to_multiple_of 0"},
+      {"--data " + text + " --attn_implementation flash --padding_free --padding max_length", "drop --padding max_length"},
   };
   for (const auto& c : cases) {
     const Result r = run_memtune("train --device cpu --max_steps 1 --seq 16 --quiet " + c.args);
@@ -574,6 +582,46 @@ TEST(CliErrors, BadTrainingDataGetsAClearMessageAndNonZeroExit) {
   const Result skipped = run_memtune("train --device cpu --max_steps 1 --seq 16 --quiet --on-bad-line skip --data " + some_bad);
   EXPECT_EQ(skipped.exit_code, 0) << skipped.output;
   EXPECT_NE(skipped.output.find("1 bad line skipped (first: " + some_bad + ":2"), std::string::npos) << skipped.output;
+}
+
+TEST(CliTrain, TokenFiguresCountTheSamplesTokensBesideTheComputedSlots) {
+  const fs::path dir = scratch_dir("train_token_figures");
+  std::vector<std::string> lines;
+  for (int i = 0; i < 12; ++i) lines.push_back(fmt::format(R"({{"text": "sample {} {}"}})", i, std::string(i * 3, 'x')));
+  const std::string text = write_lines(dir / "text.jsonl", lines);
+  // Two steps of 2 x 3 rows are the whole epoch of 12 samples: every mode trains the same
+  // samples (--group_by_length in another order); only the shapes differ.
+  std::map<std::string, nlohmann::json> summaries;
+  for (const std::string mode : {"--padding max_length", "", "--group_by_length", "--attn_implementation flash --padding_free"}) {
+    const fs::path metrics = dir / "metrics.jsonl";
+    fs::remove(metrics);
+    const Result r = run_memtune("train --device cpu --seq 64 --batch 3 --accum 2 --max_steps 2 --pad_to_multiple_of 8 --metrics " +
+                                 metrics.string() + " --data " + text + " " + mode);
+    ASSERT_EQ(r.exit_code, 0) << mode << "\n" << r.output;
+    EXPECT_NE(r.output.find("tokens of samples"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("% of them padding"), std::string::npos) << r.output;
+    const std::vector<nlohmann::json> records = read_jsonl(metrics);
+    const std::vector<nlohmann::json> steps = events_of(records, "step");
+    ASSERT_EQ(steps.size(), 2u);
+    for (const nlohmann::json& step : steps) {
+      EXPECT_LE(step["tokens"].get<int64_t>(), step["computed_tokens"].get<int64_t>()) << mode;
+      EXPECT_LT(step["targets"].get<int64_t>(), step["tokens"].get<int64_t>()) << mode;
+      EXPECT_GT(step["targets_per_second"].get<double>(), 0) << mode;
+      EXPECT_NEAR(step["tokens_per_second"].get<double>(),
+                  step["tokens"].get<double>() / step["step_seconds"].get<double>(), 1e-6 * step["tokens_per_second"].get<double>());
+    }
+    const std::vector<nlohmann::json> summary = events_of(records, "summary");
+    ASSERT_EQ(summary.size(), 1u) << mode;
+    summaries[mode] = summary[0];
+  }
+  const nlohmann::json& padded = summaries["--padding max_length"];
+  EXPECT_EQ(padded["computed_tokens"], 2 * 2 * 3 * 64);  // every micro-batch at the planned shape
+  for (const std::string mode : {"", "--group_by_length", "--attn_implementation flash --padding_free"}) {
+    EXPECT_EQ(summaries[mode]["tokens"], padded["tokens"]) << mode;  // the same samples
+    EXPECT_EQ(summaries[mode]["targets"], padded["targets"]) << mode;
+    EXPECT_LT(summaries[mode]["computed_tokens"].get<int64_t>(), padded["computed_tokens"].get<int64_t>()) << mode;
+  }
+  EXPECT_GT(padded["padding_fraction"].get<double>(), summaries[""]["padding_fraction"].get<double>());
 }
 
 TEST(CliTrain, SigtermStopsAfterTheStepWithACheckpointAndResumeMatchesAStraightRun) {

@@ -281,7 +281,10 @@ int run_cli(int argc, char** argv) {
   plan_cmd->add_flag("--shard_base", run.shard_base, "with --world_size 2 or more: the frozen base sharded across the ranks and gathered one layer at a time (FSDP-QLoRA)");
 
   // train's data and loop options, in TRL / transformers names (data/sft_dataset.h, train/trainer.h).
-  bool completion_only_loss = true, assistant_only_loss = true, packing = false;
+  bool completion_only_loss = true, assistant_only_loss = true, packing = false, padding_free = false,
+       group_by_length = false;
+  std::string padding = "longest";
+  int64_t pad_to_multiple_of = 64;
   double eval_split = 0, num_train_epochs = 0;
   uint64_t data_seed = 0;
   CLI::App* train_cmd = app.add_subcommand("train", "train a LoRA adapter");
@@ -293,6 +296,10 @@ int run_cli(int argc, char** argv) {
   train_cmd->add_option("--completion_only_loss", completion_only_loss, "prompt-completion data: train on the completion only (TRL)")->capture_default_str();
   train_cmd->add_option("--assistant_only_loss", assistant_only_loss, "messages data: train on the assistant turns only (TRL; TRL's default is false)")->capture_default_str();
   train_cmd->add_flag("--packing", packing, "several whole samples per row, each attending only to itself (TRL, best-fit decreasing)");
+  train_cmd->add_option("--padding", padding, "longest: a micro-batch runs at its longest row (transformers' collators); max_length: every row padded to --max_seq_length")->capture_default_str();
+  train_cmd->add_option("--pad_to_multiple_of", pad_to_multiple_of, "round a micro-batch's row length up to a multiple of this (the kernels' tile)")->capture_default_str();
+  train_cmd->add_flag("--padding_free", padding_free, "lay each micro-batch's samples end to end in one row, each attending only to itself (TRL); needs flash or cuDNN attention");
+  train_cmd->add_flag("--group_by_length", group_by_length, "micro-batches of rows of similar length, still shuffled (transformers)");
   train_cmd->add_option("--num_train_epochs", num_train_epochs, "epochs to train; --max_steps wins when both are given (transformers)");
   train_cmd->add_option("--data_seed", data_seed, "seed of the epoch-wise shuffle (default: --seed)");
   train_cmd->add_option("--tokenizer", tokenizer_path, "tokenizer.json (default: the built-in byte tokenizer)");
@@ -620,7 +627,10 @@ int run_cli(int argc, char** argv) {
     double loss_sum = 0;
     int64_t tokens = 0;
     for (const Sample& s : data.samples) {
-      const auto [sum, count] = engine->eval_loss_sum(make_micro_batch({s.input_ids}, {s.labels}, eval_run.max_seq_length));
+      // Each sample at its own length (rounded up to the kernels' tile), inside the planned row.
+      const int64_t length = std::min<int64_t>(static_cast<int64_t>(s.input_ids.size()), eval_run.max_seq_length);
+      const auto [sum, count] = engine->eval_loss_sum(make_micro_batch(
+          {s.input_ids}, {s.labels}, padded_length(std::max<int64_t>(length, 1), 64, eval_run.max_seq_length)));
       loss_sum += sum;
       tokens += count;
     }
@@ -631,6 +641,16 @@ int run_cli(int argc, char** argv) {
 
   // train
   MT_USER_CHECK(eval_path.empty() || eval_split == 0, "--eval_data and --eval_split exclude each other");
+  MT_USER_CHECK(padding == "longest" || padding == "max_length", "--padding {}: expected longest or max_length", padding);
+  MT_USER_CHECK(pad_to_multiple_of >= 1, "--pad_to_multiple_of {}: expected a positive number", pad_to_multiple_of);
+  MT_USER_CHECK(!padding_free || padding == "longest",
+                "--padding_free lays the samples end to end, so it has no padding to max_length: drop --padding {}",
+                padding);
+  // Eager attention keeps [batch, heads, seq, seq] probabilities: a padding-free row of several
+  // samples is longer than the planned rows, and its probabilities would not fit the plan.
+  MT_USER_CHECK(!padding_free || run.step_options().attention != AttentionImpl::eager,
+                "--padding_free needs flash or cuDNN attention (--attn_implementation flash, cudnn or auto): eager "
+                "attention keeps [batch, heads, seq, seq] probabilities, which a row of several samples outgrows");
   MT_USER_CHECK(!data_path.empty() || eval_split == 0, "--eval_split splits --data, and no --data was given");
   if (!tokenizer_path.empty()) check_tokenizer_fits_model(tokenizer, model.vocab_size);
   DatasetOptions data_options;
@@ -680,6 +700,10 @@ int run_cli(int argc, char** argv) {
   if (!init_adapter.empty()) engine->load_adapter(init_adapter);
   TrainerOptions options;
   options.packing = packing;
+  options.padding = padding == "max_length" ? Padding::max_length : Padding::longest;
+  options.pad_to_multiple_of = pad_to_multiple_of;
+  options.padding_free = padding_free;
+  options.group_by_length = group_by_length;
   options.data_seed = shuffle_seed;
   options.save_steps = save_steps;
   options.eval_steps = eval_steps;

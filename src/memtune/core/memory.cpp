@@ -75,11 +75,17 @@ Memory::Memory(Device device, void* arena_base, uint64_t arena_bytes)
 }
 
 Tensor Memory::alloc(std::string name, MemCategory category, DType dtype, Shape shape) {
+  return alloc(std::move(name), category, dtype, shape, shape);
+}
+
+Tensor Memory::alloc(std::string name, MemCategory category, DType dtype, Shape shape, Shape reserve) {
+  MT_ASSERT(shape.numel() <= reserve.numel(), "'{}': shape {} does not fit its reserve {}", name, shape.str(),
+            reserve.str());
   Tensor tensor;
   tensor.dtype = dtype;
   tensor.shape = shape;
   tensor.device = device_;
-  const uint64_t bytes = tensor.nbytes();
+  const uint64_t bytes = static_cast<uint64_t>(reserve.numel()) * dtype_size(dtype);
   const uint64_t offset = allocator_.allocate(bytes, category);
   if (device_ != Device::meta)
     MT_ASSERT(offset + bytes <= arena_bytes_,

@@ -89,6 +89,11 @@ class Memory {
 
   Device device() const { return device_; }
   Tensor alloc(std::string name, MemCategory category, DType dtype, Shape shape);
+  // A buffer of reserve's size holding a tensor of `shape` (no more elements than reserve) at its
+  // start. A micro-batch shorter than planned runs its tensors at their own shapes inside
+  // buffers of the planned shapes: the allocator then sees exactly the planned sizes, so every
+  // offset and the peak stay those of the plan (LlamaStep::set_shape).
+  Tensor alloc(std::string name, MemCategory category, DType dtype, Shape shape, Shape reserve);
   void free(const Tensor& tensor);
 
   // Records host bytes that the caller allocated (Backend::allocate_host), for the plan.

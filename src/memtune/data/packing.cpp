@@ -46,6 +46,24 @@ std::vector<RowLayout> pack_best_fit_decreasing(const std::vector<Sample>& sampl
   return rows;
 }
 
+int64_t padded_length(int64_t longest, int64_t multiple, int64_t cap) {
+  MT_ASSERT(longest > 0 && multiple > 0 && longest <= cap, "padded_length({}, {}, {})", longest, multiple, cap);
+  return std::min(cap, (longest + multiple - 1) / multiple * multiple);
+}
+
+std::vector<uint32_t> group_by_length(const std::vector<uint32_t>& shuffled, const std::vector<RowLayout>& rows,
+                                      int64_t batch) {
+  MT_ASSERT(batch > 0);
+  const int64_t n = static_cast<int64_t>(shuffled.size());
+  const int64_t mega = std::max<int64_t>(1, std::min<int64_t>(n / (4 * batch), 50)) * batch;
+  std::vector<uint32_t> order = shuffled;
+  for (int64_t begin = 0; begin < n; begin += mega) {
+    const auto first = order.begin() + begin, last = order.begin() + std::min(n, begin + mega);
+    std::stable_sort(first, last, [&](uint32_t a, uint32_t b) { return rows[a].tokens > rows[b].tokens; });
+  }
+  return order;
+}
+
 void write_row(const std::vector<Sample>& samples, const RowLayout& row, int64_t seq, int32_t pad_id,
                const RowBuffers& out) {
   MT_ASSERT(row.tokens <= seq, "row of {} tokens for seq {}", row.tokens, seq);

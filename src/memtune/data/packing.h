@@ -32,6 +32,21 @@ std::vector<RowLayout> rows_one_sample_each(const std::vector<Sample>& samples);
 // they were opened. memtune::Error for a sample longer than seq (truncate first).
 std::vector<RowLayout> pack_best_fit_decreasing(const std::vector<Sample>& samples, int64_t seq);
 
+// The length a micro-batch's rows run at when shapes follow the data: the longest row's tokens
+// rounded up to a multiple of `multiple` (the kernels' tile; 1: exact), at most `cap` (the
+// planned row length). transformers' DataCollatorWithPadding(padding="longest",
+// pad_to_multiple_of=multiple) pads a batch the same way.
+int64_t padded_length(int64_t longest, int64_t multiple, int64_t cap);
+
+// transformers' group_by_length (LengthGroupedSampler, trainer_pt_utils.py): the shuffled order
+// cut into mega-batches of min(rows / (4 * batch), 50) * batch rows (at least one batch), each
+// sorted by length, longest first (ties keep the shuffled order), so that a micro-batch holds rows
+// of similar length and little padding, while the order stays random at the mega-batch scale.
+// memtune does not move the longest batch to the front as transformers does (to hit an
+// out-of-memory error early): the plan already holds the longest.
+std::vector<uint32_t> group_by_length(const std::vector<uint32_t>& shuffled, const std::vector<RowLayout>& rows,
+                                      int64_t batch);
+
 // Where write_row puts one row: four arrays of seq entries each.
 struct RowBuffers {
   int32_t* input_ids;

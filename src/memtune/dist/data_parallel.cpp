@@ -36,7 +36,7 @@ DataParallelAdapters::DataParallelAdapters(Backend& backend, Memory& memory, Lor
             "data parallel needs LoraState's flat layout padded to {} x {} (got {} elements)", comm.world_size(),
             kZeroShardAlignElements, lora.flat_params().numel());
   for (const LoraTensors& t : lora.tensors()) MT_ASSERT(t.exp_avg_a.empty(), "per-tensor moments beside ZeRO-1");
-  counts_ = memory.alloc("dist.global_counts", MemCategory::workspace, DType::i32, Shape{2});
+  counts_ = memory.alloc("dist.global_counts", MemCategory::workspace, DType::i32, Shape{3});
   exp_avg_ = memory.alloc("dist.zero1.exp_avg_shard", MemCategory::optimizer_state, DType::f32, Shape{layout_.shard});
   exp_avg_sq_ =
       memory.alloc("dist.zero1.exp_avg_sq_shard", MemCategory::optimizer_state, DType::f32, Shape{layout_.shard});
@@ -45,23 +45,25 @@ DataParallelAdapters::DataParallelAdapters(Backend& backend, Memory& memory, Lor
   zero_optimizer();
 }
 
-std::pair<int64_t, int64_t> DataParallelAdapters::global_counts(int64_t valid_targets, int64_t tokens) {
+DataParallelAdapters::StepCounts DataParallelAdapters::global_counts(const StepCounts& local) {
   if (backend_.device() == Device::meta) {
     comm_.after_compute(stream_);
     comm_.all_reduce_sum(counts_, counts_, stream_);
-    return {valid_targets, tokens};
+    return local;
   }
   // int32 holds any real step: 2^31 tokens is a thousand 2M-token steps' worth.
-  MT_USER_CHECK(valid_targets < (int64_t{1} << 31) / comm_.world_size() && tokens < (int64_t{1} << 31) / comm_.world_size(),
-                "{} tokens per rank in one step: too many for the global count", tokens);
-  const int32_t local[2] = {static_cast<int32_t>(valid_targets), static_cast<int32_t>(tokens)};
-  backend_.copy_from_host(counts_, local);
+  MT_USER_CHECK(local.valid_targets < (int64_t{1} << 31) / comm_.world_size() &&
+                    local.tokens < (int64_t{1} << 31) / comm_.world_size(),
+                "{} tokens per rank in one step: too many for the global count", local.tokens);
+  const int32_t counts[3] = {static_cast<int32_t>(local.valid_targets), static_cast<int32_t>(local.tokens),
+                             static_cast<int32_t>(local.real_tokens)};
+  backend_.copy_from_host(counts_, counts);
   comm_.after_compute(stream_);
   comm_.all_reduce_sum(counts_, counts_, stream_);
   comm_.wait(stream_);
-  int32_t global[2] = {0, 0};
+  int32_t global[3] = {0, 0, 0};
   backend_.copy_to_host(global, counts_);
-  return {global[0], global[1]};
+  return {global[0], global[1], global[2]};
 }
 
 void DataParallelAdapters::begin_final_backward() { readiness_.reset(); }

@@ -48,8 +48,11 @@ class DataParallelAdapters {
   const ZeroShardLayout& layout() const { return layout_; }
   const GradBucketPlan& buckets() const { return buckets_; }
 
-  // (valid targets, tokens) summed over ranks.
-  std::pair<int64_t, int64_t> global_counts(int64_t valid_targets, int64_t tokens);
+  // Per-step counts summed over ranks: valid targets, token slots computed, tokens of samples.
+  struct StepCounts {
+    int64_t valid_targets = 0, tokens = 0, real_tokens = 0;
+  };
+  StepCounts global_counts(const StepCounts& local);
   // At the start of a step's last micro-batch (the one whose backward finishes the grads).
   void begin_final_backward();
   // The hook: layer `layer`'s adapter grads are final for this step.

@@ -6,6 +6,22 @@
 #include "memtune/model/llama_config.h"
 
 namespace memtune {
+namespace {
+
+// Marks the span of a chunked layer pass (LlamaStep::alloc_chunk reserves the planned chunk's
+// rows inside it); restores "not chunked" when the pass ends.
+class ActiveChunk {
+ public:
+  ActiveChunk(int64_t& slot, int64_t rows) : slot_(slot) { slot_ = rows; }
+  ~ActiveChunk() { slot_ = 0; }
+  ActiveChunk(const ActiveChunk&) = delete;
+  ActiveChunk& operator=(const ActiveChunk&) = delete;
+
+ private:
+  int64_t& slot_;
+};
+
+}  // namespace
 
 LlamaStep::LlamaStep(Backend& backend, Memory& memory, const LlamaConfig& config,
                      const StepOptions& options, const ModelWeights& weights,
@@ -16,8 +32,10 @@ LlamaStep::LlamaStep(Backend& backend, Memory& memory, const LlamaConfig& config
       options_(options),
       weights_(weights),
       lora_(lora),
-      dims_{options.micro_batch, options.seq, lora.config().r},
-      tokens_(options.micro_batch * options.seq),
+      capacity_{options.micro_batch, options.seq, lora.config().r},
+      capacity_tokens_(options.micro_batch * options.seq),
+      dims_(capacity_),
+      tokens_(capacity_tokens_),
       lora_scale_(lora.config().scaling()),
       lora_dropout_(static_cast<float>(lora.config().dropout)) {
   MT_ASSERT(options.micro_batch > 0 && options.seq > 0);
@@ -33,17 +51,19 @@ LlamaStep::LlamaStep(Backend& backend, Memory& memory, const LlamaConfig& config
     backend_.copy_from_host(inv_freq_, inv_freq.data());
   }
   loss_sum_ = memory_.alloc("loss.sum", MemCategory::logits_loss, DType::f32, Shape{1});
-  const Shape per_token{tokens_};
-  batch_.input_ids = memory_.alloc("batch.input_ids", MemCategory::saved_activations, DType::i32, per_token);
-  batch_.targets = memory_.alloc("batch.targets", MemCategory::saved_activations, DType::i32, per_token);
-  batch_.positions = memory_.alloc("batch.positions", MemCategory::saved_activations, DType::i32, per_token);
-  batch_.segments = memory_.alloc("batch.segments", MemCategory::saved_activations, DType::i32, per_token);
+  const Shape per_token{capacity_tokens_};
+  MicroBatchBuffers& b = planned_batch_;
+  b.input_ids = memory_.alloc("batch.input_ids", MemCategory::saved_activations, DType::i32, per_token);
+  b.targets = memory_.alloc("batch.targets", MemCategory::saved_activations, DType::i32, per_token);
+  b.positions = memory_.alloc("batch.positions", MemCategory::saved_activations, DType::i32, per_token);
+  b.segments = memory_.alloc("batch.segments", MemCategory::saved_activations, DType::i32, per_token);
+  batch_ = planned_batch_;
   if (options.offload_activations) {
     MT_USER_CHECK(options.gradient_checkpointing,
                   "offload_activations needs gradient_checkpointing: without it every activation of "
                   "every layer is saved on the device, and only the layer inputs are offloaded");
     const int layers = static_cast<int>(config.num_hidden_layers);
-    offload_layer_bytes_ = static_cast<uint64_t>(tokens_) * static_cast<uint64_t>(config.hidden_size) *
+    offload_layer_bytes_ = static_cast<uint64_t>(capacity_tokens_) * static_cast<uint64_t>(config.hidden_size) *
                            dtype_size(options.compute_dtype);
     // Layers [0, layers - 1): the last layer's input stays in its ring slot for the backward.
     const uint64_t host_bytes = offload_layer_bytes_ * static_cast<uint64_t>(std::max(layers - 1, 0));
@@ -73,10 +93,36 @@ void* LlamaStep::offloaded_layer_input(int layer) const {
   return static_cast<char*>(offload_host_) + static_cast<uint64_t>(layer) * offload_layer_bytes_;
 }
 
+void LlamaStep::set_shape(int64_t rows, int64_t seq) {
+  MT_ASSERT(rows > 0 && seq > 0 && rows * seq <= capacity_tokens_,
+            "micro-batch of {} x {} tokens for a step planned for {} x {}", rows, seq, capacity_.batch,
+            capacity_.seq);
+  // Eager attention's probabilities grow with seq^2: a longer row than planned would not fit.
+  MT_USER_CHECK(options_.attention != AttentionImpl::eager || seq <= capacity_.seq,
+                "a micro-batch row of {} tokens under eager attention planned for rows of {}: eager attention "
+                "keeps [batch, heads, seq, seq] probabilities, so padding-free rows need flash attention "
+                "(--attn_implementation flash or auto)",
+                seq, capacity_.seq);
+  dims_.batch = rows;
+  dims_.seq = seq;
+  tokens_ = rows * seq;
+  batch_.input_ids = planned_batch_.input_ids.slice_rows(0, tokens_);
+  batch_.targets = planned_batch_.targets.slice_rows(0, tokens_);
+  batch_.positions = planned_batch_.positions.slice_rows(0, tokens_);
+  batch_.segments = planned_batch_.segments.slice_rows(0, tokens_);
+}
+
+AttentionDims LlamaStep::planned_attention_dims() const {
+  AttentionDims d = attention_dims();
+  d.batch = capacity_.batch;
+  d.seq = capacity_.seq;
+  return d;
+}
+
 AttentionDims LlamaStep::attention_dims() const {
   AttentionDims d;
-  d.batch = options_.micro_batch;
-  d.seq = options_.seq;
+  d.batch = dims_.batch;
+  d.seq = dims_.seq;
   d.n_heads = config_.num_attention_heads;
   d.n_kv_heads = config_.num_key_value_heads;
   d.head_dim = config_.head_dim;
@@ -91,33 +137,53 @@ MemCategory LlamaStep::saved_category(bool recompute) const {
                                                          : MemCategory::saved_activations;
 }
 
+Tensor LlamaStep::alloc_tokens(std::string name, MemCategory category, DType dtype, Shape shape) {
+  MT_ASSERT(shape[0] == tokens_, "'{}' of {} rows is not a whole-micro-batch tensor of {}", name, shape[0], tokens_);
+  Shape reserve = shape;
+  reserve[0] = capacity_tokens_;
+  return memory_.alloc(std::move(name), category, dtype, shape, reserve);
+}
+
+int64_t LlamaStep::reserved_rows(int64_t first_row) const {
+  if (active_chunk_rows_ == 0) return capacity_tokens_;
+  return std::min(capacity_tokens_, first_row + active_chunk_rows_) - first_row;
+}
+
+Tensor LlamaStep::alloc_chunk(std::string name, MemCategory category, DType dtype, Shape shape, int64_t first_row) {
+  Shape reserve = shape;
+  reserve[0] = reserved_rows(first_row);
+  MT_ASSERT(shape[0] <= reserve[0], "'{}': {} rows at row {} for a reserve of {}", name, shape[0], first_row, reserve[0]);
+  return memory_.alloc(std::move(name), category, dtype, shape, reserve);
+}
+
 Tensor LlamaStep::alloc_act(Act id, int layer, MemCategory category) {
   const ActSpec& spec = act_spec(id);
   return memory_.alloc(fmt::format("layers.{}.{}", layer, spec.name), category,
                        spec.fp32 ? DType::f32 : options_.compute_dtype,
-                       act_shape(spec, config_, dims_));
+                       act_shape(spec, config_, dims_), act_shape(spec, config_, capacity_));
 }
 
-Tensor LlamaStep::alloc_act_rows(Act id, int layer, MemCategory category, int64_t rows) {
+Tensor LlamaStep::alloc_act_rows(Act id, int layer, MemCategory category, int64_t rows, int64_t first_row) {
   const ActSpec& spec = act_spec(id);
-  return memory_.alloc(fmt::format("layers.{}.{}", layer, spec.name), category,
-                       spec.fp32 ? DType::f32 : options_.compute_dtype,
-                       act_rows_shape(spec, config_, dims_, rows));
+  return alloc_chunk(fmt::format("layers.{}.{}", layer, spec.name), category,
+                     spec.fp32 ? DType::f32 : options_.compute_dtype,
+                     act_rows_shape(spec, config_, dims_, rows), first_row);
 }
 
 int64_t LlamaStep::token_chunk_rows(bool training) const {
   // Without checkpointing the training forward keeps the whole layer for the backward anyway.
   const bool acts_saved = training && !options_.gradient_checkpointing;
   if (acts_saved || options_.mlp_chunk_tokens <= 0) return 0;
-  return std::min(tokens_, options_.mlp_chunk_tokens);
+  // The planned chunks, whatever the current shape (see the header comment).
+  return std::min(capacity_tokens_, options_.mlp_chunk_tokens);
 }
 
 Tensor LlamaStep::alloc_layer_output(int layer, bool training) {
   // The layer output is the next layer's input: saved whenever training, also under
   // checkpointing.
   const MemCategory category = training ? MemCategory::saved_activations : MemCategory::transient_activations;
-  return memory_.alloc(fmt::format("layers.{}.layer_input", layer + 1), category,
-                       options_.compute_dtype, Shape{tokens_, config_.hidden_size});
+  return alloc_tokens(fmt::format("layers.{}.layer_input", layer + 1), category,
+                      options_.compute_dtype, Shape{tokens_, config_.hidden_size});
 }
 
 void LlamaStep::free_layer(LayerState& state, bool keep_input) {
@@ -171,10 +237,10 @@ Tensor LlamaStep::lora_input_projection(int layer, Projection p, const Tensor& x
                                         uint64_t dropout_seed, bool training) {
   const LoraTensors* adapter = lora_.find(layer, p);
   const std::string u_name = fmt::format("layers.{}.{}.lora_u", layer, projection_name(p));
-  Tensor u = memory_.alloc(u_name, u_category, options_.compute_dtype, Shape{x.rows(), lora_.config().r});
+  Tensor u = alloc_chunk(u_name, u_category, options_.compute_dtype, Shape{x.rows(), lora_.config().r}, first_row);
   if (training && lora_dropout_ > 0.0f) {
-    Tensor dropped = memory_.alloc(u_name + ".dropped_x", MemCategory::transient_activations,
-                                   x.dtype, x.shape);
+    Tensor dropped = alloc_chunk(u_name + ".dropped_x", MemCategory::transient_activations,
+                                 x.dtype, x.shape, first_row);
     backend_.dropout(dropped, x, lora_dropout_, dropout_hash(dropout_seed, layer * 8 + static_cast<int>(p)),
                      static_cast<uint64_t>(first_row * x.cols()));
     backend_.matmul(u, dropped, false, adapter->a_compute, true, 1.0f, 0.0f);
@@ -217,12 +283,12 @@ void LlamaStep::linear_backward(int layer, Projection p, const Tensor& dy, const
   Tensor du;
   if (adapter != nullptr) {
     backend_.matmul(adapter->grad_b, dy, true, lora_u, false, lora_scale_, 1.0f);
-    du = memory_.alloc(name + ".d_lora_u", MemCategory::transient_activations,
-                       options_.compute_dtype, lora_u.shape);
+    du = alloc_chunk(name + ".d_lora_u", MemCategory::transient_activations,
+                     options_.compute_dtype, lora_u.shape, first_row);
     backend_.matmul(du, dy, false, adapter->b_compute, false, lora_scale_, 0.0f);
     if (lora_dropout_ > 0.0f) {
-      Tensor dropped_x = memory_.alloc(name + ".dropped_x", MemCategory::transient_activations,
-                                       x.dtype, x.shape);
+      Tensor dropped_x = alloc_chunk(name + ".dropped_x", MemCategory::transient_activations,
+                                     x.dtype, x.shape, first_row);
       backend_.dropout(dropped_x, x, lora_dropout_, mask_seed, mask_offset);
       backend_.matmul(adapter->grad_a, du, true, dropped_x, false, 1.0f, 1.0f);
       memory_.free(dropped_x);
@@ -237,8 +303,8 @@ void LlamaStep::linear_backward(int layer, Projection p, const Tensor& dy, const
   if (adapter == nullptr) return;
   if (lora_dropout_ > 0.0f) {
     // du A, masked and rescaled like the forward's input.
-    Tensor d_dropped_x = memory_.alloc(name + ".d_dropped_x", MemCategory::transient_activations,
-                                       x.dtype, x.shape);
+    Tensor d_dropped_x = alloc_chunk(name + ".d_dropped_x", MemCategory::transient_activations,
+                                     x.dtype, x.shape, first_row);
     backend_.matmul(d_dropped_x, du, false, adapter->a_compute, false, 1.0f, 0.0f);
     backend_.dropout(d_dropped_x, d_dropped_x, lora_dropout_, mask_seed, mask_offset);
     backend_.add(dx, dx, d_dropped_x);
@@ -260,7 +326,8 @@ void LlamaStep::attention_forward(int layer, LayerState& s, MemCategory keep) {
     act(Act::attn_probs) = alloc_act(Act::attn_probs, layer, keep);
     Tensor scores = memory_.alloc(fmt::format("layers.{}.attn_scores", layer),
                                   MemCategory::attention_scratch, options_.compute_dtype,
-                                  act(Act::attn_probs).shape);
+                                  act(Act::attn_probs).shape,
+                                  act_shape(act_spec(Act::attn_probs), config_, capacity_));
     backend_.attention_eager_forward(act(Act::attn_out), act(Act::attn_probs), scores, act(Act::q),
                                      act(Act::k), act(Act::v), batch_.segments, dims);
     memory_.free(scores);
@@ -269,7 +336,7 @@ void LlamaStep::attention_forward(int layer, LayerState& s, MemCategory keep) {
     // Planned whatever the batch, so the arena is the same for packed and unpacked batches.
     Tensor workspace = memory_.alloc(fmt::format("layers.{}.attn_cudnn_workspace", layer),
                                      MemCategory::attention_scratch, DType::f32,
-                                     Shape{cudnn_attention_workspace_floats(dims, false)});
+                                     Shape{cudnn_attention_workspace_floats(planned_attention_dims(), false)});
     if (batch_.one_sample_per_row)
       backend_.attention_cudnn_forward(act(Act::attn_out), act(Act::attn_lse), act(Act::q),
                                        act(Act::k), act(Act::v), batch_.segments, workspace, dims);
@@ -347,13 +414,14 @@ Tensor LlamaStep::layer_forward_chunked(int layer, LayerState& s, bool recompute
   act(Act::q) = alloc_act(Act::q, layer, keep);
   act(Act::k) = alloc_act(Act::k, layer, keep);
   act(Act::v) = alloc_act(Act::v, layer, keep);
+  const ActiveChunk in_chunks(active_chunk_rows_, chunk_rows);
   for (int64_t begin = 0; begin < tokens_; begin += chunk_rows) {
     const int64_t end = std::min(tokens_, begin + chunk_rows);
     LayerState chunk;
     Tensor& normed = chunk.acts[static_cast<int>(Act::norm1_out)];
     Tensor& rstd = chunk.acts[static_cast<int>(Act::norm1_rstd)];
-    normed = alloc_act_rows(Act::norm1_out, layer, transient, end - begin);
-    rstd = alloc_act_rows(Act::norm1_rstd, layer, transient, end - begin);
+    normed = alloc_act_rows(Act::norm1_out, layer, transient, end - begin, begin);
+    rstd = alloc_act_rows(Act::norm1_rstd, layer, transient, end - begin, begin);
     backend_.rmsnorm_forward(normed, rstd, x.slice_rows(begin, end), w.input_norm, eps);
     for (Projection p : {Projection::q, Projection::k, Projection::v}) {
       const Act out_id = p == Projection::q ? Act::q : p == Projection::k ? Act::k : Act::v;
@@ -370,7 +438,7 @@ Tensor LlamaStep::layer_forward_chunked(int layer, LayerState& s, bool recompute
     const int64_t end = std::min(tokens_, begin + chunk_rows);
     LayerState chunk;
     Tensor& mid = chunk.acts[static_cast<int>(Act::mid)];
-    mid = alloc_act_rows(Act::mid, layer, transient, end - begin);
+    mid = alloc_act_rows(Act::mid, layer, transient, end - begin, begin);
     linear_forward(layer, Projection::o, act(Act::attn_out).slice_rows(begin, end), begin, mid,
                    nullptr, transient, dropout_seed, training);
     backend_.add(mid, mid, x.slice_rows(begin, end));
@@ -390,15 +458,15 @@ void LlamaStep::mlp_forward(int layer, const Tensor& mid_rows, int64_t first_row
   const int64_t rows = mid_rows.rows();
   auto act = [&](Act id) -> Tensor& { return mlp.acts[static_cast<int>(id)]; };
   auto lora_u = [&](Projection p) { return keep_lora_u ? &mlp.lora_u[static_cast<int>(p)] : nullptr; };
-  act(Act::norm2_out) = alloc_act_rows(Act::norm2_out, layer, category, rows);
-  act(Act::norm2_rstd) = alloc_act_rows(Act::norm2_rstd, layer, category, rows);
+  act(Act::norm2_out) = alloc_act_rows(Act::norm2_out, layer, category, rows, first_row);
+  act(Act::norm2_rstd) = alloc_act_rows(Act::norm2_rstd, layer, category, rows, first_row);
   backend_.rmsnorm_forward(act(Act::norm2_out), act(Act::norm2_rstd), mid_rows,
                            layer_weights(layer).post_norm, static_cast<float>(config_.rms_norm_eps));
-  act(Act::gate) = alloc_act_rows(Act::gate, layer, category, rows);
-  act(Act::up) = alloc_act_rows(Act::up, layer, category, rows);
+  act(Act::gate) = alloc_act_rows(Act::gate, layer, category, rows, first_row);
+  act(Act::up) = alloc_act_rows(Act::up, layer, category, rows, first_row);
   linear_forward(layer, Projection::gate, act(Act::norm2_out), first_row, act(Act::gate), lora_u(Projection::gate), category, dropout_seed, training);
   linear_forward(layer, Projection::up, act(Act::norm2_out), first_row, act(Act::up), lora_u(Projection::up), category, dropout_seed, training);
-  act(Act::swiglu_out) = alloc_act_rows(Act::swiglu_out, layer, category, rows);
+  act(Act::swiglu_out) = alloc_act_rows(Act::swiglu_out, layer, category, rows, first_row);
   backend_.swiglu_forward(act(Act::swiglu_out), act(Act::gate), act(Act::up));
 }
 
@@ -414,8 +482,8 @@ void LlamaStep::mlp_backward(int layer, LayerState& mlp, const Tensor& mid_rows,
   backend_.swiglu_backward(act(Act::gate), act(Act::up), d_swiglu, act(Act::gate), act(Act::up));
   memory_.free(act(Act::swiglu_out));  // d_swiglu is consumed: its space takes d_norm2
   act(Act::swiglu_out) = Tensor{};
-  Tensor d_norm2 = memory_.alloc(fmt::format("layers.{}.d_norm2", layer), MemCategory::transient_activations,
-                                 options_.compute_dtype, act(Act::norm2_out).shape);
+  Tensor d_norm2 = alloc_chunk(fmt::format("layers.{}.d_norm2", layer), MemCategory::transient_activations,
+                               options_.compute_dtype, act(Act::norm2_out).shape, first_row);
   linear_backward(layer, Projection::gate, act(Act::gate), act(Act::norm2_out), first_row, lora_u(Projection::gate), d_norm2, false, dropout_seed);
   linear_backward(layer, Projection::up, act(Act::up), act(Act::norm2_out), first_row, lora_u(Projection::up), d_norm2, true, dropout_seed);
   backend_.rmsnorm_backward(d_resid_rows, d_norm2, mid_rows, layer_weights(layer).post_norm,
@@ -430,22 +498,23 @@ void LlamaStep::attention_backward(int layer, LayerState& s, const Tensor& d_att
   const MemCategory transient = MemCategory::transient_activations;
   const DType cd = options_.compute_dtype;
   const AttentionDims dims = attention_dims();
-  dq = memory_.alloc(prefix + "dq", transient, cd, act(Act::q).shape);
-  dk = memory_.alloc(prefix + "dk", transient, cd, act(Act::k).shape);
-  dv = memory_.alloc(prefix + "dv", transient, cd, act(Act::v).shape);
+  dq = alloc_tokens(prefix + "dq", transient, cd, act(Act::q).shape);
+  dk = alloc_tokens(prefix + "dk", transient, cd, act(Act::k).shape);
+  dv = alloc_tokens(prefix + "dv", transient, cd, act(Act::v).shape);
   if (options_.attention == AttentionImpl::eager) {
     Tensor dprobs = memory_.alloc(prefix + "attn_dprobs", MemCategory::attention_scratch, cd,
-                                  act(Act::attn_probs).shape);
+                                  act(Act::attn_probs).shape,
+                                  act_shape(act_spec(Act::attn_probs), config_, capacity_));
     backend_.attention_eager_backward(dq, dk, dv, dprobs, d_attn, act(Act::attn_probs), act(Act::q),
                                       act(Act::k), act(Act::v), batch_.segments, dims);
     memory_.free(dprobs);
   } else if (options_.attention == AttentionImpl::cudnn) {
     Tensor delta = memory_.alloc(prefix + "attn_delta", MemCategory::attention_scratch, DType::f32,
-                                 act(Act::attn_lse).shape);
+                                 act(Act::attn_lse).shape, act_shape(act_spec(Act::attn_lse), config_, capacity_));
     // cuDNN's workspace; its first N * n_heads * head_dim floats are the flash dq accumulator
     // for packed batches.
     Tensor workspace = memory_.alloc(prefix + "attn_cudnn_workspace", MemCategory::attention_scratch,
-                                     DType::f32, Shape{cudnn_attention_workspace_floats(dims, true)});
+                                     DType::f32, Shape{cudnn_attention_workspace_floats(planned_attention_dims(), true)});
     if (batch_.one_sample_per_row)
       backend_.attention_cudnn_backward(dq, dk, dv, delta, workspace, d_attn, act(Act::attn_out),
                                         act(Act::attn_lse), act(Act::q), act(Act::k), act(Act::v),
@@ -459,9 +528,9 @@ void LlamaStep::attention_backward(int layer, LayerState& s, const Tensor& d_att
     memory_.free(delta);
   } else {
     Tensor delta = memory_.alloc(prefix + "attn_delta", MemCategory::attention_scratch, DType::f32,
-                                 act(Act::attn_lse).shape);
-    Tensor dq_accum = memory_.alloc(prefix + "attn_dq_accum", MemCategory::attention_scratch,
-                                    DType::f32, act(Act::q).shape);
+                                 act(Act::attn_lse).shape, act_shape(act_spec(Act::attn_lse), config_, capacity_));
+    Tensor dq_accum = alloc_tokens(prefix + "attn_dq_accum", MemCategory::attention_scratch,
+                                   DType::f32, act(Act::q).shape);
     backend_.attention_flash_backward(dq, dk, dv, delta, dq_accum, d_attn, act(Act::attn_out),
                                       act(Act::attn_lse), act(Act::q), act(Act::k), act(Act::v),
                                       batch_.segments, dims);
@@ -487,14 +556,14 @@ void LlamaStep::layer_backward(int layer, LayerState& s, const Tensor& d_resid, 
   mlp_backward(layer, s, act(Act::mid), d_resid, 0, seed);
 
   // Attention. d_resid is now the grad of mid, and so of the o projection's output.
-  Tensor d_attn = memory_.alloc(prefix + "d_attn_out", transient, cd, act(Act::attn_out).shape);
+  Tensor d_attn = alloc_tokens(prefix + "d_attn_out", transient, cd, act(Act::attn_out).shape);
   linear_backward(layer, Projection::o, d_resid, act(Act::attn_out), 0, lora_u(Projection::o), d_attn, false, seed);
   Tensor dq, dk, dv;
   attention_backward(layer, s, d_attn, dq, dk, dv);
   memory_.free(d_attn);
   backend_.rope_backward(dq, batch_.positions, inv_freq_, config_.head_dim);
   backend_.rope_backward(dk, batch_.positions, inv_freq_, config_.head_dim);
-  Tensor d_norm1 = memory_.alloc(prefix + "d_norm1", transient, cd, act(Act::norm1_out).shape);
+  Tensor d_norm1 = alloc_tokens(prefix + "d_norm1", transient, cd, act(Act::norm1_out).shape);
   linear_backward(layer, Projection::q, dq, act(Act::norm1_out), 0, lora_u(Projection::q), d_norm1, false, seed);
   linear_backward(layer, Projection::k, dk, act(Act::norm1_out), 0, lora_u(Projection::k), d_norm1, true, seed);
   linear_backward(layer, Projection::v, dv, act(Act::norm1_out), 0, lora_u(Projection::v), d_norm1, true, seed);
@@ -521,14 +590,15 @@ void LlamaStep::layer_backward_chunked(int layer, LayerState& s, const Tensor& d
   // + residual), norm2, gate, up, swiglu and their LoRA inputs; back-propagate the MLP into the
   // chunk's rows of d_resid (the grad of the layer output becomes that of mid), and the o
   // projection from there into the chunk's rows of d_attn.
-  Tensor d_attn = memory_.alloc(prefix + "d_attn_out", transient, cd, act(Act::attn_out).shape);
+  Tensor d_attn = alloc_tokens(prefix + "d_attn_out", transient, cd, act(Act::attn_out).shape);
+  const ActiveChunk in_chunks(active_chunk_rows_, chunk_rows);
   for (int64_t begin = 0; begin < tokens_; begin += chunk_rows) {
     const int64_t end = std::min(tokens_, begin + chunk_rows);
     const Tensor attn_rows = act(Act::attn_out).slice_rows(begin, end);
     const Tensor d_resid_rows = d_resid.slice_rows(begin, end);
     LayerState chunk;
     Tensor& mid = chunk.acts[static_cast<int>(Act::mid)];
-    mid = alloc_act_rows(Act::mid, layer, transient, end - begin);
+    mid = alloc_act_rows(Act::mid, layer, transient, end - begin, begin);
     linear_forward(layer, Projection::o, attn_rows, begin, mid, &chunk.lora_u[static_cast<int>(Projection::o)],
                    transient, seed, true);
     backend_.add(mid, mid, x.slice_rows(begin, end));
@@ -559,13 +629,13 @@ void LlamaStep::layer_backward_chunked(int layer, LayerState& s, const Tensor& d
     LayerState chunk;
     Tensor& normed = chunk.acts[static_cast<int>(Act::norm1_out)];
     Tensor& rstd = chunk.acts[static_cast<int>(Act::norm1_rstd)];
-    normed = alloc_act_rows(Act::norm1_out, layer, transient, end - begin);
-    rstd = alloc_act_rows(Act::norm1_rstd, layer, transient, end - begin);
+    normed = alloc_act_rows(Act::norm1_out, layer, transient, end - begin, begin);
+    rstd = alloc_act_rows(Act::norm1_rstd, layer, transient, end - begin, begin);
     backend_.rmsnorm_forward(normed, rstd, x_rows, w.input_norm, eps);
     for (Projection p : {Projection::q, Projection::k, Projection::v})
       if (lora_.find(layer, p) != nullptr)
         chunk.lora_u[static_cast<int>(p)] = lora_input_projection(layer, p, normed, begin, transient, seed, true);
-    Tensor d_norm1 = memory_.alloc(prefix + "d_norm1", transient, cd, normed.shape);
+    Tensor d_norm1 = alloc_chunk(prefix + "d_norm1", transient, cd, normed.shape, begin);
     bool accumulate = false;
     for (const auto& [p, grad] : {std::pair{Projection::q, &dq}, std::pair{Projection::k, &dk}, std::pair{Projection::v, &dv}}) {
       linear_backward(layer, p, grad->slice_rows(begin, end), normed, begin,
@@ -584,13 +654,15 @@ void LlamaStep::layer_backward_chunked(int layer, LayerState& s, const Tensor& d
 void LlamaStep::loss_and_head(const Tensor& last_hidden, float loss_grad_scale, const Tensor* d_resid) {
   const DType cd = options_.compute_dtype;
   const int64_t vocab = config_.vocab_size;
-  Tensor normed = memory_.alloc("final_norm.out", MemCategory::transient_activations, cd, last_hidden.shape);
-  Tensor rstd = memory_.alloc("final_norm.rstd", MemCategory::transient_activations, DType::f32, Shape{tokens_});
+  Tensor normed = alloc_tokens("final_norm.out", MemCategory::transient_activations, cd, last_hidden.shape);
+  Tensor rstd = alloc_tokens("final_norm.rstd", MemCategory::transient_activations, DType::f32, Shape{tokens_});
   backend_.rmsnorm_forward(normed, rstd, last_hidden, weights_.final_norm, static_cast<float>(config_.rms_norm_eps));
   Tensor d_normed;
   if (d_resid != nullptr)
-    d_normed = memory_.alloc("final_norm.d_out", MemCategory::transient_activations, cd, last_hidden.shape);
-  const int64_t chunk = options_.loss == LossImpl::full ? tokens_ : std::min(tokens_, options_.loss_chunk_tokens);
+    d_normed = alloc_tokens("final_norm.d_out", MemCategory::transient_activations, cd, last_hidden.shape);
+  // The planned chunks, whatever the current shape (see the header comment).
+  const int64_t chunk = options_.loss == LossImpl::full ? capacity_tokens_
+                                                        : std::min(capacity_tokens_, options_.loss_chunk_tokens);
   for (int64_t begin = 0; begin < tokens_; begin += chunk) {
     const int64_t end = std::min(tokens_, begin + chunk);
     const Tensor targets = batch_.targets.slice_rows(begin, end);
@@ -598,7 +670,8 @@ void LlamaStep::loss_and_head(const Tensor& last_hidden, float loss_grad_scale, 
     // lm_head writes them; the loss reads them in fp32 (HF's logits.float()) and writes d_logits
     // over them in place, in the dtype the head's backward GEMM takes. So a 16-bit step holds
     // one 16-bit copy of the logits and no fp32 one (1 GiB at 4096 tokens x 128,256 in bf16).
-    Tensor logits = memory_.alloc("loss.logits", MemCategory::logits_loss, cd, Shape{end - begin, vocab});
+    Tensor logits = memory_.alloc("loss.logits", MemCategory::logits_loss, cd, Shape{end - begin, vocab},
+                                  Shape{std::min(capacity_tokens_, begin + chunk) - begin, vocab});
     backend_.matmul(logits, normed.slice_rows(begin, end), false, weights_.lm_head, true, 1.0f, 0.0f);
     if (d_resid == nullptr) {
       backend_.cross_entropy_forward(loss_sum_, logits, targets);
@@ -622,8 +695,8 @@ void LlamaStep::forward_backward(float loss_grad_scale, uint64_t dropout_seed) {
   const int layers = static_cast<int>(config_.num_hidden_layers);
   std::vector<LayerState> states(layers);
   begin_base_pass(/*with_backward=*/true);
-  Tensor x = memory_.alloc("layers.0.layer_input", MemCategory::saved_activations,
-                           options_.compute_dtype, Shape{tokens_, config_.hidden_size});
+  Tensor x = alloc_tokens("layers.0.layer_input", MemCategory::saved_activations,
+                          options_.compute_dtype, Shape{tokens_, config_.hidden_size});
   acquire_unit(FrozenBaseUnits::kEmbedding);
   backend_.embedding_forward(x, weights_.embed_tokens, batch_.input_ids);
   release_unit(FrozenBaseUnits::kEmbedding);
@@ -634,8 +707,8 @@ void LlamaStep::forward_backward(float loss_grad_scale, uint64_t dropout_seed) {
     release_unit(l);
     if (options_.gradient_checkpointing) free_layer(states[l], /*keep_input=*/true);
   }
-  Tensor d_resid = memory_.alloc("d_residual", MemCategory::transient_activations,
-                                 options_.compute_dtype, x.shape);
+  Tensor d_resid = alloc_tokens("d_residual", MemCategory::transient_activations,
+                                options_.compute_dtype, x.shape);
   acquire_unit(FrozenBaseUnits::kHead);
   loss_and_head(x, loss_grad_scale, &d_resid);
   release_unit(FrozenBaseUnits::kHead);
@@ -658,8 +731,8 @@ void LlamaStep::forward_backward_offloaded(float loss_grad_scale, uint64_t dropo
   const Shape residual_shape{tokens_, config_.hidden_size};
   std::array<Tensor, kOffloadSlots> slots;
   for (int i = 0; i < kOffloadSlots; ++i)
-    slots[i] = memory_.alloc(fmt::format("offload.layer_input_slot{}", i), MemCategory::saved_activations,
-                             options_.compute_dtype, residual_shape);
+    slots[i] = alloc_tokens(fmt::format("offload.layer_input_slot{}", i), MemCategory::saved_activations,
+                            options_.compute_dtype, residual_shape);
   auto slot_of = [&](int layer) { return layer % kOffloadSlots; };
   begin_base_pass(/*with_backward=*/true);
   acquire_unit(FrozenBaseUnits::kEmbedding);
@@ -678,8 +751,8 @@ void LlamaStep::forward_backward_offloaded(float loss_grad_scale, uint64_t dropo
     release_unit(l);
     free_layer(state, /*keep_input=*/true);
   }
-  Tensor d_resid = memory_.alloc("d_residual", MemCategory::transient_activations,
-                                 options_.compute_dtype, residual_shape);
+  Tensor d_resid = alloc_tokens("d_residual", MemCategory::transient_activations,
+                                options_.compute_dtype, residual_shape);
   acquire_unit(FrozenBaseUnits::kHead);
   loss_and_head(slots[slot_of(layers)], loss_grad_scale, &d_resid);
   release_unit(FrozenBaseUnits::kHead);
@@ -711,8 +784,8 @@ void LlamaStep::forward_backward_offloaded(float loss_grad_scale, uint64_t dropo
 void LlamaStep::forward_loss() {
   const int layers = static_cast<int>(config_.num_hidden_layers);
   begin_base_pass(/*with_backward=*/false);
-  Tensor x = memory_.alloc("layers.0.layer_input", MemCategory::transient_activations,
-                           options_.compute_dtype, Shape{tokens_, config_.hidden_size});
+  Tensor x = alloc_tokens("layers.0.layer_input", MemCategory::transient_activations,
+                          options_.compute_dtype, Shape{tokens_, config_.hidden_size});
   acquire_unit(FrozenBaseUnits::kEmbedding);
   backend_.embedding_forward(x, weights_.embed_tokens, batch_.input_ids);
   release_unit(FrozenBaseUnits::kEmbedding);

@@ -26,6 +26,15 @@
 // the whole sequence; then (norm1, q/k/v LoRA inputs) -> d_x rows. The LoRA grads accumulate
 // over chunks as they do over micro-batches.
 //
+// Shapes that follow the data. The step is planned (and its buffers placed) for the capacity
+// [micro_batch, seq] of StepOptions; set_shape(rows, seq) then runs a micro-batch at a smaller
+// shape, rows * seq <= the capacity's tokens (fewer rows, shorter rows, or one padding-free row of
+// several samples end to end). Every token-sized buffer is still reserved at its planned size
+// (Memory::alloc with a reserve), and the token chunks keep their planned boundaries, so the
+// allocator sees the planned sizes in the planned order (the chunks past the data are skipped
+// whole): the offsets and the peak are those of the plan, whatever the shape. The ops see only
+// the tokens of the shape, so no compute goes to the planned shape's padding.
+//
 // Activation offload (offload_activations, requires checkpointing). The saved layer inputs,
 // [N, hidden] each and one per layer, are what grows with the depth. With offload each leaves
 // for pinned host memory on the backend's copy stream as soon as its layer starts, and on the
@@ -97,7 +106,15 @@ class LlamaStep {
   // Device buffers that hold layer inputs while offloading: two suffice (see the header comment).
   static constexpr int kOffloadSlots = 2;
 
+  // The current micro-batch's buffers, at its shape (views of the planned buffers).
   const MicroBatchBuffers& batch() const { return batch_; }
+  // Runs the next micro-batches at [rows, seq] (see the header comment); the planned shape is
+  // the default. An eager step keeps [batch, heads, seq, seq] probabilities, so its rows may not
+  // be longer than planned; flash and cuDNN only need rows * seq within the planned tokens.
+  void set_shape(int64_t rows, int64_t seq);
+  int64_t rows() const { return dims_.batch; }
+  int64_t seq() const { return dims_.seq; }
+  int64_t tokens() const { return tokens_; }
   void set_one_sample_per_row(bool value) { batch_.one_sample_per_row = value; }
   // Forward, loss and backward of one micro-batch. Adds the loss sum (sum of token losses) to
   // loss_sum() and adds d(loss_grad_scale * loss_sum)/d(adapter) to the adapter grads.
@@ -134,9 +151,17 @@ class LlamaStep {
     LoraActs lora_u;
   };
 
+  // Every buffer of the step is allocated through these, at the current shape inside the
+  // planned reserve. alloc_tokens: a tensor whose leading dimension is every token of the
+  // micro-batch. alloc_chunk: the rows [first_row, first_row + shape[0]) of a row-wise part
+  // (a token chunk, or the whole micro-batch where the layer is not chunked).
+  Tensor alloc_tokens(std::string name, MemCategory category, DType dtype, Shape shape);
+  Tensor alloc_chunk(std::string name, MemCategory category, DType dtype, Shape shape, int64_t first_row);
+  // Planned rows of the row-wise part that starts at first_row: the chunk's at capacity.
+  int64_t reserved_rows(int64_t first_row) const;
   Tensor alloc_act(Act id, int layer, MemCategory category);
-  // A per-token activation for `rows` token rows only (a chunk of the MLP).
-  Tensor alloc_act_rows(Act id, int layer, MemCategory category, int64_t rows);
+  // A per-token activation for `rows` token rows only, starting at first_row (a chunk).
+  Tensor alloc_act_rows(Act id, int layer, MemCategory category, int64_t rows, int64_t first_row);
   void free_layer(LayerState& state, bool keep_input);
   MemCategory saved_category(bool recompute) const;
   // Token rows per chunk of a layer's row-wise parts in a pass that trains (or not); 0: the
@@ -193,7 +218,8 @@ class LlamaStep {
                        uint64_t dropout_seed);
   // Final norm + LM head + cross-entropy; with d_resid given, also its backward into it.
   void loss_and_head(const Tensor& last_hidden, float loss_grad_scale, const Tensor* d_resid);
-  AttentionDims attention_dims() const;
+  AttentionDims attention_dims() const;           // the current shape's
+  AttentionDims planned_attention_dims() const;   // the capacity's (scratch reserves)
 
   Backend& backend_;
   Memory& memory_;
@@ -201,13 +227,18 @@ class LlamaStep {
   StepOptions options_;
   const ModelWeights& weights_;
   const LoraState& lora_;
-  ActDims dims_;
+  ActDims capacity_;         // the planned shape
+  int64_t capacity_tokens_;
+  ActDims dims_;             // the current micro-batch's shape (set_shape)
   int64_t tokens_;
+  // Token rows per chunk while a chunked layer runs (alloc_chunk's reserve); 0 outside one.
+  int64_t active_chunk_rows_ = 0;
   float lora_scale_;
   float lora_dropout_;
   Tensor inv_freq_;  // f32 [head_dim / 2]
   Tensor loss_sum_;  // f32 [1]
-  MicroBatchBuffers batch_;
+  MicroBatchBuffers planned_batch_;  // the buffers at the planned shape
+  MicroBatchBuffers batch_;          // their first tokens_ entries
   // Offload: host copies of layers [0, layers - 1)'s inputs (pinned, allocated once), and per
   // ring slot the events of its last copy out and in.
   void* offload_host_ = nullptr;

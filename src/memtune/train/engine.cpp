@@ -295,11 +295,15 @@ bool one_sample_per_row(const HostMicroBatch& batch, int64_t seq) {
 }  // namespace
 
 void Engine::upload(const HostMicroBatch& batch) {
+  const StepOptions& planned = step_.options();
+  const int64_t rows = batch.rows > 0 ? batch.rows : planned.micro_batch;
+  const int64_t seq = batch.rows > 0 ? batch.seq : planned.seq;
+  step_.set_shape(rows, seq);
   const MicroBatchBuffers& b = step_.batch();
   const size_t n = static_cast<size_t>(b.input_ids.numel());
   MT_ASSERT(batch.input_ids.size() == n && batch.targets.size() == n &&
             batch.positions.size() == n && batch.segments.size() == n,
-            "micro-batch of {} tokens for a step of {}", batch.input_ids.size(), n);
+            "micro-batch of {} tokens for a shape of {} x {}", batch.input_ids.size(), rows, seq);
   if (backend_.device() == Device::meta) return;
   for (int32_t id : batch.input_ids)
     MT_USER_CHECK(id >= 0 && id < model_.vocab_size, "token id {} is outside the vocabulary of {} ids", id, model_.vocab_size);
@@ -309,7 +313,7 @@ void Engine::upload(const HostMicroBatch& batch) {
   backend_.copy_from_host(b.targets, batch.targets.data());
   backend_.copy_from_host(b.positions, batch.positions.data());
   backend_.copy_from_host(b.segments, batch.segments.data());
-  step_.set_one_sample_per_row(one_sample_per_row(batch, step_.options().seq));
+  step_.set_one_sample_per_row(one_sample_per_row(batch, seq));
 }
 
 StepReport Engine::train_step(const std::vector<HostMicroBatch>& micro_batches) {
@@ -317,11 +321,13 @@ StepReport Engine::train_step(const std::vector<HostMicroBatch>& micro_batches) 
   int64_t valid = 0;
   for (const HostMicroBatch& mb : micro_batches) valid += mb.valid_targets();
   // ---- data parallel: the loss is normalised by the valid targets of the global batch ----
-  int64_t global_tokens = 0;
+  DataParallelAdapters::StepCounts global;
   if (data_parallel_) {
-    int64_t local_tokens = 0;
-    for (const HostMicroBatch& mb : micro_batches) local_tokens += static_cast<int64_t>(mb.input_ids.size());
-    std::tie(valid, global_tokens) = data_parallel_->global_counts(valid, local_tokens);
+    DataParallelAdapters::StepCounts local;
+    local.valid_targets = valid;
+    for (const HostMicroBatch& mb : micro_batches) local.tokens += mb.tokens(), local.real_tokens += mb.sample_tokens();
+    global = data_parallel_->global_counts(local);
+    valid = global.valid_targets;
   }
   // ---- end data parallel ----
   const bool meta = backend_.device() == Device::meta;
@@ -347,12 +353,15 @@ StepReport Engine::train_step(const std::vector<HostMicroBatch>& micro_batches) 
     }
     step_.forward_backward(static_cast<float>(loss_scale / denominator), dropout_hash(seed, global_m));
     if (final_backward) step_.set_on_layer_grads_done({});
-    report.tokens += static_cast<int64_t>(micro_batches[m].input_ids.size());
+    report.tokens += micro_batches[m].tokens();
+    report.real_tokens += micro_batches[m].sample_tokens();
   }
+  report.targets = valid;
   // ---- data parallel: grads and loss summed over ranks (every rank then decides alike) ----
   if (data_parallel_) {
     data_parallel_->reduce_gradients(step_.loss_sum());
-    report.tokens = global_tokens;
+    report.tokens = global.tokens;
+    report.real_tokens = global.real_tokens;
   }
   // ---- end data parallel ----
   report.loss = backend_.read_scalar(step_.loss_sum()) / denominator;
@@ -448,6 +457,10 @@ HostMicroBatch make_micro_batch(const std::vector<std::vector<int32_t>>& input_i
   MT_ASSERT(input_ids.size() == labels.size());
   HostMicroBatch b;
   const size_t rows = input_ids.size();
+  b.rows = static_cast<int64_t>(rows);
+  b.seq = seq;
+  b.real_tokens = 0;
+  for (const std::vector<int32_t>& ids : input_ids) b.real_tokens += std::min<int64_t>(seq, static_cast<int64_t>(ids.size()));
   b.input_ids.assign(rows * seq, pad_id);
   b.targets.assign(rows * seq, -100);
   b.positions.resize(rows * seq);

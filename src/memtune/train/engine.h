@@ -22,10 +22,17 @@ class DataParallelAdapters;  // dist/data_parallel.h
 class ShardedBase;           // dist/sharded_base.h
 class ShardedBaseWeights;
 
-// One micro-batch on the host, already shifted: targets[t] is the label of token t + 1.
+// One micro-batch on the host, already shifted: targets[t] is the label of token t + 1. Its
+// shape is [rows, seq] (rows * seq entries per array): the planned [batch, max_seq_length] or
+// smaller (LlamaStep::set_shape); rows 0 means the planned shape.
 struct HostMicroBatch {
   std::vector<int32_t> input_ids, targets, positions, segments;
+  int64_t rows = 0, seq = 0;
+  // Tokens that belong to a sample (the rest is padding); -1: not counted (every token).
+  int64_t real_tokens = -1;
   int64_t valid_targets() const;
+  int64_t tokens() const { return static_cast<int64_t>(input_ids.size()); }
+  int64_t sample_tokens() const { return real_tokens < 0 ? tokens() : real_tokens; }
 };
 
 struct Plan {
@@ -54,7 +61,9 @@ struct StepReport {
   double loss = 0;          // sum of token losses / valid targets of the optimizer step
   double grad_norm = 0;     // global norm before clipping (unscaled)
   double learning_rate = 0;
-  int64_t tokens = 0;       // tokens processed (micro-batches x batch x seq)
+  int64_t tokens = 0;       // token slots computed (the micro-batches' shapes, padding included)
+  int64_t real_tokens = 0;  // of them, tokens of samples (not padding)
+  int64_t targets = 0;      // trained targets (labels that are not -100)
   bool skipped = false;     // fp16 overflow: no update
 };
 

@@ -80,12 +80,23 @@ nlohmann::json data_event(const std::string& split, const std::string& name, con
           {"skipped_fully_masked", s.skipped_fully_masked}};
 }
 
-std::string rows_summary(const std::vector<RowLayout>& rows, int64_t seq, bool packing) {
-  if (!packing) return {};
-  int64_t tokens = 0;
-  for (const RowLayout& row : rows) tokens += row.tokens;
-  return fmt::format("; packed into {} rows of {} tokens ({:.1f}% filled)", rows.size(), seq,
-                     100.0 * static_cast<double>(tokens) / static_cast<double>(rows.size() * seq));
+std::string rows_summary(const std::vector<RowLayout>& rows, int64_t seq, const TrainerOptions& options) {
+  std::string text;
+  if (options.packing) {
+    int64_t tokens = 0;
+    for (const RowLayout& row : rows) tokens += row.tokens;
+    text = fmt::format("; packed into {} rows of {} tokens ({:.1f}% filled)", rows.size(), seq,
+                       100.0 * static_cast<double>(tokens) / static_cast<double>(rows.size() * seq));
+  }
+  if (options.padding_free)
+    text += fmt::format("; padding-free: each micro-batch's samples in one row (a multiple of {} tokens)",
+                        options.pad_to_multiple_of);
+  else if (options.padding == Padding::max_length)
+    text += fmt::format("; every row padded to max_seq_length {}", seq);
+  else
+    text += fmt::format("; rows padded to the longest of their micro-batch (a multiple of {})", options.pad_to_multiple_of);
+  if (options.group_by_length) text += ", grouped by length";
+  return text;
 }
 
 }  // namespace
@@ -132,23 +143,47 @@ Trainer::Trainer(Engine& engine, const Dataset& train, const Dataset* eval, Trai
 const std::vector<uint32_t>& Trainer::epoch_order() {
   if (order_epoch_ != position_.epoch) {
     order_ = seeded_permutation(rows_.size(), epoch_seed(options_.data_seed, position_.epoch));
+    if (options_.group_by_length) order_ = group_by_length(order_, rows_, batch_);
     order_epoch_ = position_.epoch;
   }
   return order_;
 }
 
-HostMicroBatch Trainer::micro_batch(const std::vector<const RowLayout*>& rows, const Dataset& data) const {
+HostMicroBatch Trainer::micro_batch(const std::vector<const RowLayout*>& picked, const Dataset& data) const {
   static const RowLayout kPaddingRow;
+  std::vector<const RowLayout*> rows;
+  for (const RowLayout* row : picked)
+    if (row != nullptr) rows.push_back(row);
+  MT_ASSERT(!rows.empty(), "a micro-batch without rows");
+  // Padding-free: the micro-batch's samples end to end in one row.
+  RowLayout joined;
+  if (options_.padding_free) {
+    for (const RowLayout* row : rows) {
+      joined.samples.insert(joined.samples.end(), row->samples.begin(), row->samples.end());
+      joined.tokens += row->tokens;
+    }
+    rows = {&joined};
+  }
   HostMicroBatch batch;
-  const size_t n = static_cast<size_t>(batch_ * seq_);
+  batch.real_tokens = 0;
+  int64_t longest = 1;
+  for (const RowLayout* row : rows) longest = std::max(longest, row->tokens), batch.real_tokens += row->tokens;
+  if (options_.padding == Padding::max_length && !options_.padding_free) {
+    batch.rows = batch_;
+    batch.seq = seq_;
+  } else {
+    batch.rows = static_cast<int64_t>(rows.size());
+    batch.seq = padded_length(longest, options_.pad_to_multiple_of, options_.padding_free ? batch_ * seq_ : seq_);
+  }
+  const size_t n = static_cast<size_t>(batch.rows * batch.seq);
   batch.input_ids.resize(n);
   batch.targets.resize(n);
   batch.positions.resize(n);
   batch.segments.resize(n);
-  for (int64_t r = 0; r < batch_; ++r) {
-    const RowLayout& row = static_cast<size_t>(r) < rows.size() && rows[r] != nullptr ? *rows[r] : kPaddingRow;
-    const size_t at = static_cast<size_t>(r * seq_);
-    write_row(data.samples, row, seq_, options_.pad_id,
+  for (int64_t r = 0; r < batch.rows; ++r) {
+    const RowLayout& row = static_cast<size_t>(r) < rows.size() ? *rows[r] : kPaddingRow;
+    const size_t at = static_cast<size_t>(r * batch.seq);
+    write_row(data.samples, row, batch.seq, options_.pad_id,
               {&batch.input_ids[at], &batch.targets[at], &batch.positions[at], &batch.segments[at]});
   }
   return batch;
@@ -193,11 +228,18 @@ std::pair<double, int64_t> Trainer::evaluate() {
   return {sum / static_cast<double>(count), count};
 }
 
+nlohmann::json Trainer::layout_fields() const {
+  // Padding and padding-free change shapes, not which rows a step trains; group_by_length
+  // changes the order, so a resume must keep it.
+  return {{"group_by_length", options_.group_by_length}};
+}
+
 nlohmann::json Trainer::checkpoint_fields() const {
-  return {{"data_position",
-           {{"epoch", position_.epoch}, {"index", position_.next_row}, {"shuffle_seed", options_.data_seed},
-            {"rows_per_epoch", rows_per_epoch()}, {"data_fingerprint", hex64(fingerprint_)},
-            {"packing", options_.packing}, {"max_seq_length", seq_}}},
+  nlohmann::json position = {{"epoch", position_.epoch}, {"index", position_.next_row}, {"shuffle_seed", options_.data_seed},
+                             {"rows_per_epoch", rows_per_epoch()}, {"data_fingerprint", hex64(fingerprint_)},
+                             {"packing", options_.packing}, {"max_seq_length", seq_}};
+  position.update(layout_fields());
+  return {{"data_position", position},
           // Dropout masks are a hash of (seed, step, micro-batch): the step is the RNG state.
           {"seed", engine_.run().seed},
           {"max_steps", engine_.run().max_steps}};
@@ -222,6 +264,11 @@ void Trainer::restore(const nlohmann::json& state) {
                 "--packing and --max_seq_length, or start a new run from its adapter with --init-adapter {}",
                 options_.resume_from.string(), rows, fingerprint, packing, seq, rows_per_epoch(),
                 hex64(fingerprint_), options_.packing, seq_, options_.resume_from.string());
+  const bool grouped = p.contains("group_by_length") && json_get<bool>(p, "group_by_length", where);
+  MT_USER_CHECK(grouped == options_.group_by_length,
+                "--resume {}: the checkpoint was trained with group_by_length {}, this run has {}: the data order "
+                "would differ; resume with the same --group_by_length",
+                options_.resume_from.string(), grouped, options_.group_by_length);
   position_.epoch = json_get<int64_t>(p, "epoch", where);
   position_.next_row = json_get<int64_t>(p, "index", where);
   MT_USER_CHECK(position_.epoch >= 0 && position_.next_row >= 0 && position_.next_row <= rows,
@@ -263,12 +310,12 @@ TrainOutcome Trainer::run() {
   // ---- end data parallel ----
   MetricsLog metrics(options_.metrics_path);
   if (!options_.train_data_name.empty()) {
-    err_ << dataset_summary(options_.train_data_name, train_, seq_) << rows_summary(rows_, seq_, options_.packing)
+    err_ << dataset_summary(options_.train_data_name, train_, seq_) << rows_summary(rows_, seq_, options_)
          << "\n";
     metrics.write(data_event("train", options_.train_data_name, train_, rows_, seq_, options_.packing));
   }
   if (eval_ != nullptr) {
-    err_ << dataset_summary(options_.eval_data_name, *eval_, seq_) << rows_summary(eval_rows_, seq_, options_.packing)
+    err_ << dataset_summary(options_.eval_data_name, *eval_, seq_) << rows_summary(eval_rows_, seq_, options_)
          << "\n";
     metrics.write(data_event("eval", options_.eval_data_name, *eval_, eval_rows_, seq_, options_.packing));
   }
@@ -297,8 +344,6 @@ TrainOutcome Trainer::run() {
   progress.start(static_cast<double>(run.max_steps - outcome.first_step));
   for (int64_t step = outcome.first_step; step < run.max_steps; ++step) {
     const std::vector<HostMicroBatch> batches = next_step_batches();
-    int64_t targets = 0;
-    for (const HostMicroBatch& b : batches) targets += b.valid_targets();
     const auto start = std::chrono::steady_clock::now();
     const StepReport report = engine_.train_step(batches);
     engine_.backend().synchronize();
@@ -307,9 +352,16 @@ TrainOutcome Trainer::run() {
     // transformers' "epoch": epochs completed, fractional.
     const double epochs_done = static_cast<double>(position_.epoch) +
                                static_cast<double>(position_.next_row) / static_cast<double>(rows_per_epoch());
+    // Token figures count the tokens of samples ("tokens", "tokens_per_second"), beside the
+    // trained targets and the token slots computed (padding included).
+    const double padding = report.tokens == 0 ? 0.0 : 1.0 - static_cast<double>(report.real_tokens) / report.tokens;
     nlohmann::json record = {{"event", "step"}, {"command", "train"}, {"step", done}, {"steps", run.max_steps},
-                             {"loss", report.loss}, {"step_seconds", seconds}, {"tokens", report.tokens},
-                             {"targets", targets}, {"tokens_per_second", report.tokens / seconds},
+                             {"loss", report.loss}, {"step_seconds", seconds}, {"tokens", report.real_tokens},
+                             {"targets", report.targets}, {"computed_tokens", report.tokens},
+                             {"padding_fraction", padding},
+                             {"tokens_per_second", report.real_tokens / seconds},
+                             {"targets_per_second", report.targets / seconds},
+                             {"computed_tokens_per_second", report.tokens / seconds},
                              {"lr", report.learning_rate}, {"epoch", epochs_done},
                              {"grad_norm", std::isfinite(report.grad_norm) ? nlohmann::json(report.grad_norm) : nlohmann::json()}};
     if (fp16) record["skipped"] = report.skipped;
@@ -332,8 +384,13 @@ TrainOutcome Trainer::run() {
     }
     outcome.losses.push_back(report.loss);
     outcome.steps_done = done;
+    outcome.tokens.computed += report.tokens;
+    outcome.tokens.real += report.real_tokens;
+    outcome.tokens.targets += report.targets;
+    outcome.tokens.seconds += seconds;
     nlohmann::json line = {{"step", done}, {"loss", report.loss}, {"grad_norm", report.grad_norm},
-                           {"lr", report.learning_rate}, {"tokens_per_second", report.tokens / seconds},
+                           {"lr", report.learning_rate}, {"tokens_per_second", report.real_tokens / seconds},
+                           {"targets_per_second", report.targets / seconds}, {"padding_fraction", padding},
                            {"planned_peak_bytes", options_.planned_peak_bytes},
                            {"engine_peak_bytes", engine_.memory().allocator().high_water()},
                            {"skipped", report.skipped}};
@@ -346,8 +403,8 @@ TrainOutcome Trainer::run() {
     progress.clear();  // the step's line goes to stdout; the progress line is redrawn below it
     if (!options_.quiet) out_ << line.dump() << std::endl;
     progress.set_work_done(static_cast<double>(done - outcome.first_step));
-    progress.update(fmt::format("train step {}/{}  loss {:.4f}  {:.2f} s/step", done, run.max_steps, report.loss,
-                                seconds));
+    progress.update(fmt::format("train step {}/{}  loss {:.4f}  {:.2f} s/step  {:.0f} tokens/s", done, run.max_steps,
+                                report.loss, seconds, report.real_tokens / seconds));
     if (options_.after_step) options_.after_step(done, report);
     if (!options_.out_dir.empty() && options_.save_steps > 0 && done % options_.save_steps == 0) {
       save_checkpoint();
@@ -383,6 +440,17 @@ TrainOutcome Trainer::run() {
   }
   progress.clear();
   outcome.steps_done = engine_.steps_done();
+  if (outcome.tokens.seconds > 0) {
+    const TokenTotals& t = outcome.tokens;
+    err_ << fmt::format("trained {} steps: {} tokens of samples ({:.0f} tokens/s), {} trained targets ({:.0f}/s); "
+                        "{} token slots computed, {:.1f}% of them padding\n",
+                        outcome.steps_done - outcome.first_step, t.real, t.real / t.seconds, t.targets,
+                        t.targets / t.seconds, t.computed, 100.0 * t.padding_fraction());
+    metrics.write({{"event", "summary"}, {"command", "train"}, {"steps", outcome.steps_done - outcome.first_step},
+                   {"tokens", t.real}, {"targets", t.targets}, {"computed_tokens", t.computed},
+                   {"padding_fraction", t.padding_fraction()}, {"seconds", t.seconds},
+                   {"tokens_per_second", t.real / t.seconds}, {"targets_per_second", t.targets / t.seconds}});
+  }
   if (eval_ != nullptr && last_eval_step != outcome.steps_done) {
     const double eval_loss = run_eval(outcome.steps_done);
     if (!options_.quiet) out_ << nlohmann::json{{"step", outcome.steps_done}, {"eval_loss", eval_loss}}.dump() << std::endl;

@@ -6,9 +6,18 @@
 // seeded_permutation(rows, hash(data_seed, e)): every row once per epoch, a new order each
 // epoch. A micro-batch takes per_device_train_batch_size rows; an optimizer step takes
 // gradient_accumulation_steps micro-batches, or fewer at the end of an epoch (transformers
-// updates there too, on the remainder). The last micro-batch of an epoch is filled up with
-// all-padding rows, so every micro-batch has the planned [batch, seq] shape and the loss
-// normalisation (over the valid targets of the step) is unchanged.
+// updates there too, on the remainder), whose last micro-batch may then hold fewer rows.
+//
+// Shapes follow the data (Padding::longest, the default, as transformers' and TRL's collators
+// pad): a micro-batch runs at [its rows, its longest row rounded up to pad_to_multiple_of]
+// inside the planned [batch, max_seq_length] (LlamaStep::set_shape), so no compute goes to
+// padding past the longest row. Padding::max_length keeps every micro-batch at the planned
+// shape. padding_free (TRL's name) lays the micro-batch's samples end to end in one row of their
+// summed length (rounded up likewise), each attending only to itself (segments, positions
+// restarting per sample). group_by_length (transformers' name) orders each epoch so that a
+// micro-batch holds rows of similar length (data/packing.h). None of these changes the loss or
+// the gradients: padding has no target, and causal, segment-masked attention never lets a sample
+// see another's tokens (the LoRA dropout masks, drawn per token slot, are other random masks).
 //
 // The data position (epoch, rows consumed in it, the shuffle seed, and the row count and
 // fingerprint of the data it counts in) is written into the checkpoint's trainer_state.json;
@@ -30,8 +39,14 @@
 
 namespace memtune {
 
+enum class Padding : uint8_t { longest, max_length };  // the tokenizer / collator's padding names
+
 struct TrainerOptions {
   bool packing = false;         // TRL SFTConfig.packing
+  Padding padding = Padding::longest;
+  int64_t pad_to_multiple_of = 64;  // transformers' collator name; the kernels' tile size
+  bool padding_free = false;    // TRL SFTConfig.padding_free
+  bool group_by_length = false; // transformers TrainingArguments.group_by_length
   uint64_t data_seed = 42;      // transformers' data_seed (defaults to seed)
   int64_t save_steps = 0;       // checkpoint every N steps (0: at the end only)
   int64_t eval_steps = 0;       // evaluate every N steps (0: at the end only)
@@ -53,10 +68,22 @@ struct DataPosition {
   int64_t next_row = 0;  // rows of this epoch's order already trained on
 };
 
+// What this run's steps computed, for the closing summary: token slots (the micro-batches'
+// shapes), tokens of samples and trained targets.
+struct TokenTotals {
+  int64_t computed = 0, real = 0, targets = 0;
+  double seconds = 0;
+  // The share of the computed token slots that were padding.
+  double padding_fraction() const {
+    return computed == 0 ? 0.0 : 1.0 - static_cast<double>(real) / static_cast<double>(computed);
+  }
+};
+
 struct TrainOutcome {
   int exit_code = 0;      // 0, or 128 + the signal that stopped the run (130 SIGINT, 143 SIGTERM)
   int stop_signal = 0;
   int64_t first_step = 0, steps_done = 0;
+  TokenTotals tokens;
   std::vector<double> losses;                               // this run's steps
   std::vector<std::pair<int64_t, double>> eval_losses;      // (step, mean eval loss)
 };
@@ -97,6 +124,8 @@ class Trainer {
   void save_checkpoint();
   const std::vector<uint32_t>& epoch_order();
   HostMicroBatch micro_batch(const std::vector<const RowLayout*>& rows, const Dataset& data) const;
+  // The data-position fields that must agree for a resume (how rows are made and ordered).
+  nlohmann::json layout_fields() const;
 
   Engine& engine_;
   const Dataset& train_;
