@@ -35,23 +35,25 @@ struct AttentionDims {
 // on the H200 with cuDNN 9.14 (tests/gpu/test_cuda_attention_cudnn.cpp prints them): the backward
 // wants 2 x 4 * batch * n_heads * seq * head_dim (its dq accumulator, twice the flash one) + 4 *
 // batch * n_heads * seq (a row statistic) + 256 bytes; 539 MB at b8 s2048 32 heads d128, 135 MB
-// at the ladder's b2. The bound takes seq padded to 128, two row statistics and 1 MiB on top; it
+// at the ladder's b2. The bound takes seq padded to 128, row statistics and 1 MiB on top; it
 // is at least the flash dq accumulator, so the packed-rows fallback fits in it too. The forward
-// wants 256 bytes; its bound is one f32 per query row plus 4 KiB. A graph that wants more than
-// planned fails with a clear error rather than allocating.
+// wants 256 bytes. A graph that wants more than planned fails with a clear error rather than
+// allocating.
 //
-// Packed rows (RaggedAttention below) fit in the same bounds. The backward's graph is given the
-// token count as its max_total_seq_len_q, so that cuDNN sizes its dq accumulator and row sums by
-// the tokens (not by sequences x longest); the op takes one row statistic of the workspace for
-// its copy of lse in the layout cuDNN reads (the second row statistic above). The forward's bound
-// has a second row statistic (one f32 per query row) and 1 MiB for the same reason: cuDNN writes
-// its ragged Stats token-major into the workspace, and the op transposes them into lse. A ragged
-// graph that wants more than planned runs the flash kernel instead (the batch's shape, not the
-// plan, decides its sequences), and says so once.
+// Packed rows (RaggedAttention below) fit in bounds of the same form. The backward's ragged graph
+// is given the token count as its max_total_seq_len_q, so that cuDNN sizes its dq accumulator and
+// row sums by the tokens (not by sequences x longest), and the op puts its copy of lse, in the
+// layout cuDNN reads, in front of cuDNN's workspace: one more row statistic. The bound has a third
+// row statistic for that copy, so that the measured dense need still fits beside it with room to
+// spare (the ragged engines' own workspace was not measured when this was written: the GPU test
+// prints it). The forward's bound has a second row statistic (one f32 per query row) and 1 MiB
+// for the same reason: cuDNN writes its ragged Stats token-major into the workspace, and the op
+// transposes them into lse. A ragged graph that wants more than planned runs the flash kernel
+// instead (the batch's data, not the plan, decides its sequences), and says so once.
 inline int64_t cudnn_attention_workspace_floats(const AttentionDims& d, bool backward) {
   if (!backward) return 2 * d.batch * d.n_heads * d.seq + (int64_t{1} << 18);
   const int64_t rows = d.batch * d.n_heads * ((d.seq + 127) / 128 * 128);
-  return rows * (2 * d.head_dim + 2) + (int64_t{1} << 18);
+  return rows * (2 * d.head_dim + 3) + (int64_t{1} << 18);
 }
 
 // Packed rows (several samples in a row) for the cuDNN op: the device copy of the micro-batch's

@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <map>
 #include <set>
 #include <string>
@@ -166,9 +167,16 @@ struct CudnnAttention::Impl {
     auto it = graphs.find(key);
     if (it != graphs.end()) return it->second;
     const auto t0 = std::chrono::steady_clock::now();
-    auto g = key.slots > 0 ? make_ragged_graph(key, d, dtype) : make_dense_graph(key, d, dtype);
+    std::shared_ptr<fe::graph::Graph> g;
     std::string failed_step, message;
-    if (auto e = g->validate(); !e.is_good()) {
+    try {
+      // The frontend throws where no SDPA implementation takes the attributes.
+      g = key.slots > 0 ? make_ragged_graph(key, d, dtype) : make_dense_graph(key, d, dtype);
+    } catch (const std::exception& e) {
+      failed_step = "sdpa", message = e.what();
+    }
+    if (!failed_step.empty()) {
+    } else if (auto e = g->validate(); !e.is_good()) {
       failed_step = "validate", message = e.get_message();
     } else if (auto e2 = g->build_operation_graph(handle); !e2.is_good()) {
       failed_step = "build_operation_graph", message = e2.get_message();
@@ -176,8 +184,10 @@ struct CudnnAttention::Impl {
       failed_step = "create_execution_plans", message = e3.get_message();
     } else if (auto e4 = g->check_support(handle); !e4.is_good()) {
       failed_step = "check_support", message = e4.get_message();
-    } else {
-      check_fe(g->build_plans(handle), "build_plans", d, key.backward);
+    } else if (auto e5 = g->build_plans(handle); !e5.is_good()) {
+      // A dense shape that passed check_support must build; packed rows fall back.
+      if (key.slots == 0) check_fe(e5, "build_plans", d, key.backward);
+      failed_step = "build_plans", message = e5.get_message();
     }
     counters.graphs += 1;
     counters.build_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
