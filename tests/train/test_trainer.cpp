@@ -76,7 +76,9 @@ HostMicroBatch rows_to_micro_batch(const Dataset& data, const std::vector<const 
 TEST(TrainerPacking, PackedStepEqualsTheSameSamplesUnpacked) {
   const LlamaConfig model = small_model();
   const Dataset data = random_dataset({5, 9, 12, 7, 3, 16, 10, 4}, 17);
-  for (const char* attention : {"eager", "flash"}) {
+  // cudnn on the CPU: the flash op with the segments, after the step built the packed rows'
+  // sequence table (the planner placed it: the arena is the plan's).
+  for (const char* attention : {"eager", "flash", "cudnn"}) {
     RunConfig run = small_run();
     run.attn_implementation = attention;
     const int64_t batch = run.per_device_train_batch_size, seq = run.max_seq_length;
@@ -107,6 +109,19 @@ TEST(TrainerPacking, PackedStepEqualsTheSameSamplesUnpacked) {
     const double packed_loss = a->train_step(packed).loss;
     const double unpacked_loss = b->train_step(unpacked).loss;
     EXPECT_NEAR(packed_loss, unpacked_loss, 1e-5 * unpacked_loss) << attention;
+    if (std::string(attention) == "cudnn") {
+      // The last micro-batch uploaded: a table exactly when its rows are not one sample each.
+      EXPECT_NE(a->step().batch().one_sample_per_row, !a->step().batch().ragged.empty());
+      EXPECT_TRUE(b->step().batch().ragged.empty());
+      // Row 0 of the first micro-batch holds the two longest samples that fit (16 + 7 tokens).
+      PlannedEngine c(*cpu, run, model);
+      init_with_nonzero_b(c.engine());
+      c->train_step({packed[0]});
+      EXPECT_FALSE(c->step().batch().one_sample_per_row);
+      ASSERT_FALSE(c->step().batch().ragged.empty());
+      EXPECT_GE(c->step().batch().ragged.sequences, 4);
+      EXPECT_EQ(a.engine().memory().allocator().high_water(), a.plan().arena_bytes);
+    }
     EXPECT_LT(rel_error(adapter_grads(a.engine()), adapter_grads(b.engine())), 1e-5) << attention;
   }
 }

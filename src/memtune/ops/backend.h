@@ -35,15 +35,40 @@ struct AttentionDims {
 // on the H200 with cuDNN 9.14 (tests/gpu/test_cuda_attention_cudnn.cpp prints them): the backward
 // wants 2 x 4 * batch * n_heads * seq * head_dim (its dq accumulator, twice the flash one) + 4 *
 // batch * n_heads * seq (a row statistic) + 256 bytes; 539 MB at b8 s2048 32 heads d128, 135 MB
-// at the ladder's b2. The bound takes seq padded to 128, two row statistics and 1 MiB on top; it
+// at the ladder's b2. The bound takes seq padded to 128, row statistics and 1 MiB on top; it
 // is at least the flash dq accumulator, so the packed-rows fallback fits in it too. The forward
-// wants 256 bytes; its bound is one f32 per query row plus 4 KiB. A graph that wants more than
-// planned fails with a clear error rather than allocating.
+// wants 256 bytes. A graph that wants more than planned fails with a clear error rather than
+// allocating.
+//
+// Packed rows (RaggedAttention below) fit in bounds of the same form. The backward's ragged graph
+// is given the token count as its max_total_seq_len_q, so that cuDNN sizes its dq accumulator and
+// row sums by the tokens (not by sequences x longest), and the op puts its copy of lse, in the
+// layout cuDNN reads, in front of cuDNN's workspace: one more row statistic. The bound has a third
+// row statistic for that copy, so that the measured dense need still fits beside it with room to
+// spare (the ragged engines' own workspace was not measured when this was written: the GPU test
+// prints it). The forward's bound has a second row statistic (one f32 per query row) and 1 MiB
+// for the same reason: cuDNN writes its ragged Stats token-major into the workspace, and the op
+// transposes them into lse. A ragged graph that wants more than planned runs the flash kernel
+// instead (the batch's data, not the plan, decides its sequences), and says so once.
 inline int64_t cudnn_attention_workspace_floats(const AttentionDims& d, bool backward) {
-  if (!backward) return d.batch * d.n_heads * d.seq + 1024;
+  if (!backward) return 2 * d.batch * d.n_heads * d.seq + (int64_t{1} << 18);
   const int64_t rows = d.batch * d.n_heads * ((d.seq + 127) / 128 * 128);
-  return rows * (2 * d.head_dim + 2) + (int64_t{1} << 18);
+  return rows * (2 * d.head_dim + 3) + (int64_t{1} << 18);
 }
+
+// Packed rows (several samples in a row) for the cuDNN op: the device copy of the micro-batch's
+// sequence table (ops/ragged_attention.h) and what the host knows of it. The step fills it for
+// batches that are not one sample per row; empty means the op's dense path, where causal masking
+// alone is exact.
+struct RaggedAttention {
+  Tensor table;            // i32 [kRaggedTableRows * (capacity + 1)]
+  int64_t capacity = 0;    // the table's row stride is capacity + 1
+  int64_t sequences = 0;   // real sequences
+  int64_t slots = 0;       // sequence slots (>= sequences; the rest have length 0)
+  int64_t max_len = 0;     // >= the longest sequence
+  int64_t rows = 0, seq = 0;  // the batch shape the table describes (checked against the dims)
+  bool empty() const { return slots == 0; }
+};
 
 // True when this build has cuDNN attention and the loaded libcudnn (9.x) and the GPU can run it.
 bool cudnn_attention_available();
@@ -195,14 +220,18 @@ class Backend {
                                         const AttentionDims& dims) = 0;
 
   // cuDNN fused attention (--attn_implementation cudnn; ops/cuda/attention_cudnn.h): the flash
-  // contract (same inputs, saved out and lse, causal, GQA), for batches whose rows each hold one
-  // sample (the step runs flash for packed rows). workspace: f32 planned scratch of at least
-  // cudnn_attention_workspace_floats(dims, backward) elements; an implementation that needs more
-  // fails. Backends without cuDNN run their flash op (the backward using delta_scratch and the
-  // first N * n_heads * head_dim floats of the workspace as its dq accumulator).
+  // contract (same inputs, saved out and lse, causal, GQA). With `ragged` empty, for batches whose
+  // rows each hold one sample (causal masking alone is then exact); with a table, for packed rows:
+  // the table's sequences are those of `segments`, and the results are the flash op's with them.
+  // workspace: f32 planned scratch of at least cudnn_attention_workspace_floats(dims, backward)
+  // elements; an implementation that needs more fails (dense) or runs its flash op (ragged).
+  // Backends without cuDNN run their flash op with the segments (the backward using delta_scratch
+  // and the first N * n_heads * head_dim floats of the workspace as its dq accumulator).
   virtual void attention_cudnn_forward(const Tensor& out, const Tensor& lse, const Tensor& q,
                                        const Tensor& k, const Tensor& v, const Tensor& segments,
-                                       const Tensor& workspace, const AttentionDims& dims) {
+                                       const RaggedAttention& ragged, const Tensor& workspace,
+                                       const AttentionDims& dims) {
+    (void)ragged;
     (void)workspace;
     attention_flash_forward(out, lse, q, k, v, segments, dims);
   }
@@ -210,7 +239,9 @@ class Backend {
                                         const Tensor& delta_scratch, const Tensor& workspace,
                                         const Tensor& d_out, const Tensor& out, const Tensor& lse,
                                         const Tensor& q, const Tensor& k, const Tensor& v,
-                                        const Tensor& segments, const AttentionDims& dims) {
+                                        const Tensor& segments, const RaggedAttention& ragged,
+                                        const AttentionDims& dims) {
+    (void)ragged;
     attention_flash_backward(dq, dk, dv, delta_scratch, cudnn_dq_accum_view(workspace, q), d_out,
                              out, lse, q, k, v, segments, dims);
   }

@@ -171,19 +171,21 @@ void TimedBackend::attention_flash_backward(const Tensor& dq, const Tensor& dk, 
 
 void TimedBackend::attention_cudnn_forward(const Tensor& out, const Tensor& lse, const Tensor& q,
                                            const Tensor& k, const Tensor& v, const Tensor& segments,
-                                           const Tensor& workspace, const AttentionDims& dims) {
+                                           const RaggedAttention& ragged, const Tensor& workspace,
+                                           const AttentionDims& dims) {
   timed("attention_cudnn_forward",
-        [&] { inner_.attention_cudnn_forward(out, lse, q, k, v, segments, workspace, dims); });
+        [&] { inner_.attention_cudnn_forward(out, lse, q, k, v, segments, ragged, workspace, dims); });
 }
 
 void TimedBackend::attention_cudnn_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv,
                                             const Tensor& delta_scratch, const Tensor& workspace,
                                             const Tensor& d_out, const Tensor& out, const Tensor& lse,
                                             const Tensor& q, const Tensor& k, const Tensor& v,
-                                            const Tensor& segments, const AttentionDims& dims) {
+                                            const Tensor& segments, const RaggedAttention& ragged,
+                                            const AttentionDims& dims) {
   timed("attention_cudnn_backward", [&] {
     inner_.attention_cudnn_backward(dq, dk, dv, delta_scratch, workspace, d_out, out, lse, q, k, v,
-                                    segments, dims);
+                                    segments, ragged, dims);
   });
 }
 void TimedBackend::attention_decode(const Tensor& out, const Tensor& q, const Tensor& k_cache,

@@ -98,12 +98,13 @@ class TimedBackend final : public Backend {
                                 const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
                                 const Tensor& segments, const AttentionDims& dims) override;
   void attention_cudnn_forward(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k,
-                               const Tensor& v, const Tensor& segments, const Tensor& workspace,
-                               const AttentionDims& dims) override;
+                               const Tensor& v, const Tensor& segments, const RaggedAttention& ragged,
+                               const Tensor& workspace, const AttentionDims& dims) override;
   void attention_cudnn_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& delta_scratch,
                                 const Tensor& workspace, const Tensor& d_out, const Tensor& out,
                                 const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
-                                const Tensor& segments, const AttentionDims& dims) override;
+                                const Tensor& segments, const RaggedAttention& ragged,
+                                const AttentionDims& dims) override;
   void attention_decode(const Tensor& out, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                         const AttentionDims& dims) override;
   void cross_entropy_forward_backward(const Tensor& loss_sum, const Tensor& d_logits, const Tensor& logits,

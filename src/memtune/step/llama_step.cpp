@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "memtune/model/llama_config.h"
+#include "memtune/ops/ragged_attention.h"
 
 namespace memtune {
 namespace {
@@ -57,6 +58,11 @@ LlamaStep::LlamaStep(Backend& backend, Memory& memory, const LlamaConfig& config
   b.targets = memory_.alloc("batch.targets", MemCategory::saved_activations, DType::i32, per_token);
   b.positions = memory_.alloc("batch.positions", MemCategory::saved_activations, DType::i32, per_token);
   b.segments = memory_.alloc("batch.segments", MemCategory::saved_activations, DType::i32, per_token);
+  if (options.attention == AttentionImpl::cudnn) {
+    b.ragged.capacity = capacity_tokens_;
+    b.ragged.table = memory_.alloc("batch.ragged_table", MemCategory::saved_activations, DType::i32,
+                                   Shape{kRaggedTableRows * (capacity_tokens_ + 1)});
+  }
   batch_ = planned_batch_;
   if (options.offload_activations) {
     MT_USER_CHECK(options.gradient_checkpointing,
@@ -337,9 +343,10 @@ void LlamaStep::attention_forward(int layer, LayerState& s, MemCategory keep) {
     Tensor workspace = memory_.alloc(fmt::format("layers.{}.attn_cudnn_workspace", layer),
                                      MemCategory::attention_scratch, DType::f32,
                                      Shape{cudnn_attention_workspace_floats(planned_attention_dims(), false)});
-    if (batch_.one_sample_per_row)
+    if (batch_.one_sample_per_row || !batch_.ragged.empty())
       backend_.attention_cudnn_forward(act(Act::attn_out), act(Act::attn_lse), act(Act::q),
-                                       act(Act::k), act(Act::v), batch_.segments, workspace, dims);
+                                       act(Act::k), act(Act::v), batch_.segments, batch_.ragged,
+                                       workspace, dims);
     else
       backend_.attention_flash_forward(act(Act::attn_out), act(Act::attn_lse), act(Act::q),
                                        act(Act::k), act(Act::v), batch_.segments, dims);
@@ -515,10 +522,10 @@ void LlamaStep::attention_backward(int layer, LayerState& s, const Tensor& d_att
     // for packed batches.
     Tensor workspace = memory_.alloc(prefix + "attn_cudnn_workspace", MemCategory::attention_scratch,
                                      DType::f32, Shape{cudnn_attention_workspace_floats(planned_attention_dims(), true)});
-    if (batch_.one_sample_per_row)
+    if (batch_.one_sample_per_row || !batch_.ragged.empty())
       backend_.attention_cudnn_backward(dq, dk, dv, delta, workspace, d_attn, act(Act::attn_out),
                                         act(Act::attn_lse), act(Act::q), act(Act::k), act(Act::v),
-                                        batch_.segments, dims);
+                                        batch_.segments, batch_.ragged, dims);
     else
       backend_.attention_flash_backward(dq, dk, dv, delta,
                                         Backend::cudnn_dq_accum_view(workspace, act(Act::q)), d_attn,
@@ -803,5 +810,28 @@ void LlamaStep::forward_loss() {
   release_unit(FrozenBaseUnits::kHead);
   memory_.free(x);
 }
+
+// ---- packed rows on cuDNN: the sequence table ----
+void LlamaStep::set_packed_segments(const int32_t* segments, int64_t rows, int64_t seq) {
+  RaggedAttention& r = batch_.ragged;
+  r.slots = r.sequences = r.max_len = 0;
+  if (r.table.empty() || memory_.device() == Device::meta) return;
+  RaggedTableShape shape;
+  shape.rows = rows;
+  shape.seq = seq;
+  shape.capacity = r.capacity;
+  shape.n_heads = config_.num_attention_heads;
+  shape.n_kv_heads = config_.num_key_value_heads;
+  shape.head_dim = config_.head_dim;
+  const RaggedTableHost table = build_ragged_table(segments, shape);
+  if (table.empty()) return;  // the flash op, whose mask knows the ids
+  backend_.copy_from_host(r.table, table.values.data());
+  r.sequences = table.sequences;
+  r.slots = table.slots;
+  r.max_len = table.max_len;
+  r.rows = rows;
+  r.seq = seq;
+}
+// ---- end packed rows on cuDNN ----
 
 }  // namespace memtune

@@ -63,8 +63,9 @@
 
 namespace memtune {
 
-// cudnn: cuDNN's fused SDPA (ops/cuda/attention_cudnn.h), the same memory as flash; batches with
-// several samples in a row run the flash op instead (see MicroBatchBuffers::one_sample_per_row).
+// cudnn: cuDNN's fused SDPA (ops/cuda/attention_cudnn.h), the same memory as flash (plus the
+// packed rows' sequence table); batches with several samples in a row run its ragged form from
+// MicroBatchBuffers::ragged, or the flash op where there is no table.
 enum class AttentionImpl : uint8_t { eager, flash, cudnn };
 enum class LossImpl : uint8_t { full, chunked };
 
@@ -90,9 +91,13 @@ struct MicroBatchBuffers {
   Tensor positions;  // i32 [N]: rope positions (reset at packed-sample boundaries)
   Tensor segments;   // i32 [N]: packed-sample id per token
   // Host-side: every row holds one sample, followed at most by tokens no target reads (padding).
-  // Then causal masking alone is exact and AttentionImpl::cudnn runs cuDNN; else it runs flash,
-  // whose mask knows the segments. Engine::upload sets it; false is always safe.
+  // Then causal masking alone is exact and AttentionImpl::cudnn runs cuDNN; else it runs cuDNN's
+  // ragged form with `ragged`, or flash (whose mask knows the segments) where `ragged` is empty.
+  // Engine::upload sets it; false is always safe.
   bool one_sample_per_row = false;
+  // AttentionImpl::cudnn: the segments as a sequence table (ops/ragged_attention.h), planned for
+  // the step's tokens; empty (no slots) unless set_packed_segments made one for this batch.
+  RaggedAttention ragged;
 };
 
 class LlamaStep {
@@ -115,7 +120,15 @@ class LlamaStep {
   int64_t rows() const { return dims_.batch; }
   int64_t seq() const { return dims_.seq; }
   int64_t tokens() const { return tokens_; }
-  void set_one_sample_per_row(bool value) { batch_.one_sample_per_row = value; }
+  // Every new batch: its layout. A batch that is not one sample per row then gets its sequence
+  // table from set_packed_segments (AttentionImpl::cudnn only; a no-op otherwise).
+  void set_one_sample_per_row(bool value) {
+    batch_.one_sample_per_row = value;
+    batch_.ragged.slots = batch_.ragged.sequences = batch_.ragged.max_len = 0;
+  }
+  // Builds the sequence table of `segments` (rows x seq ids, the batch just uploaded) and uploads
+  // it; without a usable table (ids that come back within a row) the batch runs the flash op.
+  void set_packed_segments(const int32_t* segments, int64_t rows, int64_t seq);
   // Forward, loss and backward of one micro-batch. Adds the loss sum (sum of token losses) to
   // loss_sum() and adds d(loss_grad_scale * loss_sum)/d(adapter) to the adapter grads.
   void forward_backward(float loss_grad_scale, uint64_t dropout_seed);

@@ -313,7 +313,10 @@ void Engine::upload(const HostMicroBatch& batch) {
   backend_.copy_from_host(b.targets, batch.targets.data());
   backend_.copy_from_host(b.positions, batch.positions.data());
   backend_.copy_from_host(b.segments, batch.segments.data());
-  step_.set_one_sample_per_row(one_sample_per_row(batch, seq));
+  const bool one_sample = one_sample_per_row(batch, seq);
+  step_.set_one_sample_per_row(one_sample);
+  // Packed rows: their sequence table, for cuDNN's ragged attention (AttentionImpl::cudnn).
+  if (!one_sample) step_.set_packed_segments(batch.segments.data(), rows, seq);
 }
 
 StepReport Engine::train_step(const std::vector<HostMicroBatch>& micro_batches) {

@@ -14,6 +14,7 @@
 #include "memtune/ops/cuda/cuda_check.h"
 #include "memtune/quant/codebook.h"  // quant4bit: the reference's constants
 #include "memtune/ops/device.h"
+#include "memtune/ops/ragged_attention.h"
 
 namespace memtune {
 namespace {
@@ -561,15 +562,42 @@ DType cudnn_io_dtype(std::initializer_list<std::pair<const Tensor*, const char*>
 }
 }  // namespace
 
+namespace {
+// The op's view of a ragged table, after the checks that tie it to the call.
+cuda::CudnnRagged cudnn_ragged(const RaggedAttention& ragged, const AttentionDims& dims,
+                               const char* op) {
+  cuda::CudnnRagged r;
+  if (ragged.empty()) return r;
+  check_tensor(ragged.table, DType::i32, op);
+  MT_ASSERT(ragged.rows == dims.batch && ragged.seq == dims.seq,
+            "{}: the ragged table describes {} x {} tokens, the call {} x {}", op, ragged.rows,
+            ragged.seq, dims.batch, dims.seq);
+  MT_ASSERT(ragged.capacity >= dims.tokens() && ragged.slots >= ragged.sequences &&
+                ragged.slots <= ragged.capacity && ragged.max_len > 0 &&
+                ragged.table.numel() >= kRaggedTableRows * (ragged.capacity + 1),
+            "{}: ragged table {} (capacity {}, slots {}, max_len {}) for {} tokens", op,
+            ragged.table.shape.str(), ragged.capacity, ragged.slots, ragged.max_len, dims.tokens());
+  r.table = ragged.table.as<const int32_t>();
+  r.stride = ragged.capacity + 1;
+  r.slots = ragged.slots;
+  r.max_len = ragged.max_len;
+  return r;
+}
+}  // namespace
+
 size_t CudaBackend::cudnn_attention_workspace_bytes(const AttentionDims& dims, DType dtype,
-                                                    bool backward) {
-  return cudnn().workspace_bytes(dims, dtype, backward);
+                                                    bool backward, const RaggedAttention* ragged) {
+  if (ragged == nullptr || ragged->empty()) return cudnn().workspace_bytes(dims, dtype, backward);
+  cuda::CudnnRagged r;
+  r.slots = ragged->slots;
+  r.max_len = ragged->max_len;
+  return cudnn().workspace_bytes(dims, dtype, backward, &r);
 }
 
 void CudaBackend::attention_cudnn_forward(const Tensor& out, const Tensor& lse, const Tensor& q,
                                           const Tensor& k, const Tensor& v,
-                                          const Tensor& segments, const Tensor& workspace,
-                                          const AttentionDims& dims) {
+                                          const Tensor& segments, const RaggedAttention& ragged,
+                                          const Tensor& workspace, const AttentionDims& dims) {
   (void)attention_params(dims, q, k, v, segments);  // the shape checks
   check_same_count(out, q, "attention_cudnn_forward out");
   check_rows(lse, dims, "attention_cudnn_forward lse");
@@ -583,6 +611,8 @@ void CudaBackend::attention_cudnn_forward(const Tensor& out, const Tensor& lse, 
   t.lse = lse.as<float>();
   t.workspace = workspace.data;
   t.workspace_bytes = workspace.nbytes();
+  t.ragged = cudnn_ragged(ragged, dims, "attention_cudnn_forward");
+  // A shape (or packed rows) cuDNN refuses: the flash kernel, with the segments.
   if (!cudnn().forward(dims, t, stream_)) attention_flash_forward(out, lse, q, k, v, segments, dims);
 }
 
@@ -591,6 +621,7 @@ void CudaBackend::attention_cudnn_backward(const Tensor& dq, const Tensor& dk, c
                                            const Tensor& d_out, const Tensor& out,
                                            const Tensor& lse, const Tensor& q, const Tensor& k,
                                            const Tensor& v, const Tensor& segments,
+                                           const RaggedAttention& ragged,
                                            const AttentionDims& dims) {
   (void)attention_params(dims, q, k, v, segments);
   // delta_scratch: cuDNN keeps its row sums in its own workspace; only the flash fallback uses it.
@@ -610,7 +641,8 @@ void CudaBackend::attention_cudnn_backward(const Tensor& dq, const Tensor& dk, c
   t.dv = dv.data;
   t.workspace = workspace.data;
   t.workspace_bytes = workspace.nbytes();
-  if (!cudnn().backward(dims, t, stream_))  // a shape cuDNN has no engine for: the flash kernel
+  t.ragged = cudnn_ragged(ragged, dims, "attention_cudnn_backward");
+  if (!cudnn().backward(dims, t, stream_))  // a shape cuDNN refuses: the flash kernel
     attention_flash_backward(dq, dk, dv, delta_scratch, cudnn_dq_accum_view(workspace, q), d_out,
                              out, lse, q, k, v, segments, dims);
 }

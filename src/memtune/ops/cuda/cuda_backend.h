@@ -91,17 +91,25 @@ class CudaBackend final : public Backend {
                                 const Tensor& d_out, const Tensor& out, const Tensor& lse,
                                 const Tensor& q, const Tensor& k, const Tensor& v,
                                 const Tensor& segments, const AttentionDims& dims) override;
-  // cuDNN fused attention (attention_cudnn.h); a clear error in a build without cuDNN.
+  // cuDNN fused attention (attention_cudnn.h); a clear error in a build without cuDNN. Packed
+  // rows (a non-empty `ragged`) run cuDNN's ragged SDPA, or the flash kernel with the segments
+  // where cuDNN refuses them.
   void attention_cudnn_forward(const Tensor& out, const Tensor& lse, const Tensor& q,
                                const Tensor& k, const Tensor& v, const Tensor& segments,
-                               const Tensor& workspace, const AttentionDims& dims) override;
+                               const RaggedAttention& ragged, const Tensor& workspace,
+                               const AttentionDims& dims) override;
   void attention_cudnn_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv,
                                 const Tensor& delta_scratch, const Tensor& workspace,
                                 const Tensor& d_out, const Tensor& out, const Tensor& lse,
                                 const Tensor& q, const Tensor& k, const Tensor& v,
-                                const Tensor& segments, const AttentionDims& dims) override;
-  // The bytes cuDNN's graph for these dims wants (builds and caches the graph); for tests.
-  size_t cudnn_attention_workspace_bytes(const AttentionDims& dims, DType dtype, bool backward);
+                                const Tensor& segments, const RaggedAttention& ragged,
+                                const AttentionDims& dims) override;
+  // The bytes cuDNN's graph for these dims wants (builds and caches the graph); for tests. With
+  // `ragged`, the ragged graph's (its slots and max_len) plus the op's scratch.
+  size_t cudnn_attention_workspace_bytes(const AttentionDims& dims, DType dtype, bool backward,
+                                         const RaggedAttention* ragged = nullptr);
+  // The cuDNN op itself (graph cache, ragged Stats layout, build times); for tests.
+  cuda::CudnnAttention& cudnn_attention() { return cudnn(); }
 
   // ---- attention_decode (attention_decode.cu) ----
   void attention_decode(const Tensor& out, const Tensor& q, const Tensor& k_cache,

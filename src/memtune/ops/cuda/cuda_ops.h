@@ -35,6 +35,10 @@ void launch_fill_random(void* dst, DType dst_type, int64_t n, int distribution, 
 // Strided 2-D copy with conversion: dst[r * dst_ld + c] = src[r * src_ld + c].
 void launch_copy_2d(void* dst, DType dst_type, int64_t dst_ld, const void* src, DType src_type,
                     int64_t src_ld, int64_t rows, int64_t cols, cudaStream_t stream);
+// Batched f32 transpose (transpose.cu): dst[b][c][r] = src[b][r][c] for b < batch, r < rows,
+// c < cols (the cuDNN op's ragged row statistics: [tokens, heads] <-> [batch, heads, seq]).
+void launch_transpose_f32(float* dst, const float* src, int64_t batch, int64_t rows, int64_t cols,
+                          cudaStream_t stream);
 
 // Deterministic fp32 sums: partial sums per block go to `partials` (at most kMaxPartials
 // floats, a buffer the backend owns), then one block adds them in a fixed order onto *acc.
