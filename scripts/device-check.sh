@@ -77,7 +77,7 @@ if has_part sanitizer; then
                    "--bf16 --attn_implementation flash --gradient_checkpointing --offload_activations --offload_embeddings"; do
       timeout 240 compute-sanitizer --tool "$tool" --error-exitcode 9 \
         "$BIN_DIR/memtune" train --model tiny --device cuda --seq 64 --batch 2 --accum 2 \
-        --max_steps 2 --quiet --out "$WORK/sanitizer-out" $variant \
+        --max_steps 2 --quiet --overwrite_output_dir --out "$WORK/sanitizer-out" $variant \
         >> "$WORK/sanitizer-$tool.log" 2>&1
       rc=$?
       echo "compute-sanitizer $tool [$variant]: exit $rc; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$WORK/sanitizer-$tool.log" | tail -1)"

@@ -107,7 +107,7 @@ if has_part flow8b; then
     --adapter '$F/out/adapter' --tokenizer '$TOKENIZER' --prompt 'The capital of France is' --max_new_tokens 256 \
     --temperature 0.7 --top_p 0.9 --seed 1"
   ls -la "$F/out/adapter" > "$WORK/adapter_listing.log" 2>&1; cat "$F/out/adapter/adapter_config.json" >> "$WORK/adapter_listing.log"
-  rm -rf "$F/out/checkpoint"
+  rm -rf "$F"/out/checkpoint-*
 fi
 
 if has_part chunks; then

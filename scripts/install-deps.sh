@@ -2,7 +2,8 @@
 # Installs the Debian packages memtune builds with, where they are missing.
 set -euo pipefail
 packages=(cmake ninja-build g++ nlohmann-json3-dev libcli11-dev libyaml-cpp-dev libfmt-dev
-          libpcre2-dev libgtest-dev python3)
+          libpcre2-dev libgtest-dev python3
+          clang libclang-rt-dev)  # clang + its libFuzzer runtime: the fuzz targets (scripts/fuzz.sh)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

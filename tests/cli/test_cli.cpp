@@ -636,18 +636,26 @@ TEST(CliTrain, SigtermStopsAfterTheStepWithACheckpointAndResumeMatchesAStraightR
                                "echo \"exit=$?\"");
   ASSERT_NE(stopped.output.find("exit=143"), std::string::npos) << stopped.output;
   EXPECT_NE(stopped.output.find("SIGTERM after step"), std::string::npos) << stopped.output;
-  const nlohmann::json state = nlohmann::json::parse(std::ifstream(out / "checkpoint/trainer_state.json"));
+  // The one checkpoint the stopped run wrote, named by its step as transformers names it.
+  std::vector<fs::path> checkpoints;
+  for (const fs::directory_entry& entry : fs::directory_iterator(out))
+    if (entry.path().filename().string().rfind("checkpoint-", 0) == 0) checkpoints.push_back(entry.path());
+  ASSERT_EQ(checkpoints.size(), 1u) << stopped.output;
+  const nlohmann::json state = nlohmann::json::parse(std::ifstream(checkpoints[0] / "trainer_state.json"));
   const int64_t k = state["step"].get<int64_t>();
+  EXPECT_EQ(checkpoints[0].filename(), "checkpoint-" + std::to_string(k));
+  EXPECT_NE(stopped.output.find("checkpoint written to " + checkpoints[0].string()), std::string::npos) << stopped.output;
   const std::vector<nlohmann::json> steps = events_of(read_jsonl(metrics), "step");
   ASSERT_GE(k, 1);
   EXPECT_EQ(static_cast<int64_t>(steps.size()), k) << "the checkpoint holds the last finished step";
   for (const char* key : {"epoch", "index", "shuffle_seed", "rows_per_epoch", "data_fingerprint"})
     EXPECT_TRUE(state["data_position"].contains(key)) << key;
-  EXPECT_FALSE(fs::exists(dir / "out/checkpoint.partial"));
+  EXPECT_FALSE(fs::exists(checkpoints[0].string() + ".partial"));
 
+  // --resume of the output folder takes its newest checkpoint.
   const fs::path resumed_metrics = dir / "resumed.jsonl";
   const Result resumed = run_shell(fmt::format("{} --max_steps {} --resume {} --out {} --metrics {}", common, k + 2,
-                                           (out / "checkpoint").string(), out.string(), resumed_metrics.string()));
+                                           out.string(), out.string(), resumed_metrics.string()));
   ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
   const std::vector<nlohmann::json> resumed_steps = events_of(read_jsonl(resumed_metrics), "step");
   ASSERT_EQ(resumed_steps.size(), 2u);
@@ -672,15 +680,17 @@ TEST(CliTrain, AFailedCheckpointWriteExitsNonZeroAndKeepsThePreviousCheckpoint) 
   // A file-size limit (with SIGXFSZ ignored, so the write returns EFBIG) fails the next save
   // partway through the adapter file, as a full disk would.
   const Result r = run_shell("trap '' XFSZ; ulimit -f 64; " + common + " --max_steps 4 --save_steps 1 --resume " +
-                         (out / "checkpoint").string() + " --out " + out.string());
+                         (out / "checkpoint-2").string() + " --out " + out.string());
   EXPECT_NE(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("saving the checkpoint"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("File too large"), std::string::npos) << r.output;
-  EXPECT_NE(r.output.find("the previous checkpoint there is unchanged"), std::string::npos) << r.output;
-  const nlohmann::json state = nlohmann::json::parse(std::ifstream(out / "checkpoint/trainer_state.json"));
+  EXPECT_NE(r.output.find("the checkpoint this run resumed from (" + (out / "checkpoint-2").string() + ", step 2) is kept"),
+            std::string::npos) << r.output;
+  const nlohmann::json state = nlohmann::json::parse(std::ifstream(out / "checkpoint-2/trainer_state.json"));
   EXPECT_EQ(state["step"], 2);
-  EXPECT_FALSE(fs::exists(out / "checkpoint.partial"));
-  EXPECT_EQ(run_shell(common + " --max_steps 3 --resume " + (out / "checkpoint").string()).exit_code, 0);
+  EXPECT_FALSE(fs::exists(out / "checkpoint-3.partial"));
+  EXPECT_FALSE(fs::exists(out / "checkpoint-3"));
+  EXPECT_EQ(run_shell(common + " --max_steps 3 --resume " + out.string()).exit_code, 0);
 }
 
 }  // namespace

@@ -202,7 +202,7 @@ TEST(Trainer, InterruptAfterThreeStepsThenResumeIsBitIdenticalToAStraightRun) {
     EXPECT_EQ(interrupted.outcome.steps_done, 3) << tag;
     EXPECT_NE(interrupted.err.find("SIGINT after step 3 of 6"), std::string::npos) << interrupted.err;
     EXPECT_FALSE(fs::exists(options.out_dir / "adapter")) << "an interrupted run writes its checkpoint only";
-    const nlohmann::json state = read_json_file(options.out_dir / "checkpoint/trainer_state.json");
+    const nlohmann::json state = read_json_file(options.out_dir / "checkpoint-3/trainer_state.json");
     EXPECT_EQ(state["step"], 3);
     const nlohmann::json& position = state["data_position"];
     EXPECT_EQ(position["shuffle_seed"], 42u);
@@ -218,15 +218,15 @@ TEST(Trainer, InterruptAfterThreeStepsThenResumeIsBitIdenticalToAStraightRun) {
     EXPECT_EQ(position["index"].get<int64_t>(), index) << position.dump();
 
     options.after_step = nullptr;
-    options.resume_from = options.out_dir / "checkpoint";
+    options.resume_from = options.out_dir;  // its newest checkpoint
     const RunResult resumed = train(run, data, options);
     EXPECT_EQ(resumed.outcome.exit_code, 0);
     EXPECT_EQ(resumed.outcome.first_step, 3);
     std::vector<double> losses = interrupted.outcome.losses;
     losses.insert(losses.end(), resumed.outcome.losses.begin(), resumed.outcome.losses.end());
     EXPECT_EQ(losses, straight.outcome.losses) << tag;
-    for (const char* file : {"adapter/adapter_model.safetensors", "checkpoint/adapter_model.safetensors",
-                             "checkpoint/optimizer.safetensors"})
+    for (const char* file : {"adapter/adapter_model.safetensors", "checkpoint-6/adapter_model.safetensors",
+                             "checkpoint-6/optimizer.safetensors"})
       EXPECT_EQ(read_file(fs::path(options.out_dir) / file), read_file(tests_dir() / ("straight_" + tag) / file))
           << tag << " " << file;
   }
@@ -238,7 +238,7 @@ TEST(Trainer, ResumingWithOtherDataIsRefused) {
   TrainerOptions options;
   options.out_dir = temp_dir("other_data");
   ASSERT_EQ(train(run, random_dataset({8, 8, 8}, 1), options).outcome.exit_code, 0);
-  options.resume_from = options.out_dir / "checkpoint";
+  options.resume_from = options.out_dir / "checkpoint-2";
   run.max_steps = 3;
   try {
     train(run, random_dataset({8, 8, 9}, 1), options);
@@ -290,9 +290,9 @@ TEST(Trainer, NonFiniteLossStopsNamingTheStepAndKeepsTheLastGoodCheckpoint) {
       EXPECT_NE(message.find("the last good checkpoint"), std::string::npos) << message;
       EXPECT_NE(message.find("step 2"), std::string::npos) << message;
     }
-    EXPECT_EQ(read_json_file(options.out_dir / "checkpoint/trainer_state.json")["step"], 2);
+    EXPECT_EQ(read_json_file(options.out_dir / "checkpoint-2/trainer_state.json")["step"], 2);
     EXPECT_FALSE(fs::exists(options.out_dir / "adapter"));
-    const SafetensorsCheckpoint saved = SafetensorsCheckpoint::open(options.out_dir / "checkpoint", "adapter_model.safetensors");
+    const SafetensorsCheckpoint saved = SafetensorsCheckpoint::open(options.out_dir / "checkpoint-2", "adapter_model.safetensors");
     for (const std::string& name : saved.names()) {
       const SafetensorsTensor& t = saved.get(name);
       for (size_t i = 0; i < t.nbytes / 4; ++i) {
@@ -315,7 +315,7 @@ TEST(Trainer, FullDiskWhileSavingKeepsThePreviousCheckpointAndSaysSo) {
   options.quiet = true;
   options.save_steps = 1;
   options.out_dir = temp_dir("disk_full");
-  const fs::path checkpoint = options.out_dir / "checkpoint";
+  const fs::path checkpoint = options.out_dir / "checkpoint-1";
   std::string previous_optimizer;
   // The second save's optimizer file goes to /dev/full: every write to it fails with ENOSPC,
   // which is what a full disk gives, through the real write path.
@@ -335,12 +335,14 @@ TEST(Trainer, FullDiskWhileSavingKeepsThePreviousCheckpointAndSaysSo) {
     const std::string message = e.what();
     EXPECT_NE(message.find("saving the checkpoint"), std::string::npos) << message;
     EXPECT_NE(message.find("No space left on device"), std::string::npos) << message;
-    EXPECT_NE(message.find("the previous checkpoint there is unchanged"), std::string::npos) << message;
+    EXPECT_NE(message.find("the last good checkpoint (" + checkpoint.string() + ", step 1) is kept"), std::string::npos)
+        << message;
   }
   EXPECT_EQ(read_json_file(checkpoint / "trainer_state.json")["step"], 1);
   ASSERT_FALSE(previous_optimizer.empty());
   EXPECT_EQ(read_file(checkpoint / "optimizer.safetensors"), previous_optimizer);
-  EXPECT_FALSE(fs::exists(options.out_dir / "checkpoint.partial"));
+  EXPECT_FALSE(fs::exists(options.out_dir / "checkpoint-2.partial"));
+  EXPECT_FALSE(fs::exists(options.out_dir / "checkpoint-2"));
   // And it still resumes.
   auto fresh_cpu = make_cpu_backend();
   PlannedEngine fresh(*fresh_cpu, run, small_model());

@@ -6,7 +6,9 @@
 #include <chrono>
 #include <cstdio>
 #include <ctime>
+#include <fstream>
 #include <iostream>
+#include <set>
 
 #include "memtune/cli/run_options.h"
 #include "memtune/core/bytes.h"
@@ -26,6 +28,7 @@
 #include "memtune/report/progress.h"
 #include "memtune/report/sweep.h"
 #include "memtune/train/engine_arena.h"
+#include "memtune/train/output_dir.h"
 #include "memtune/train/trainer.h"
 #include "memtune/train/yaml_config.h"
 // merge, generate, logits
@@ -77,6 +80,99 @@ void check_budget(const Plan& plan, const RunConfig& run, const LlamaConfig& mod
             format_bytes(plan.arena_bytes), run.shard_base ? " with the base sharded" : "",
             fit_advice(run, model, budget, 0, world_size));
   mt_fail("run does not fit --vram {}: {}", vram, fit_advice(run, model, budget, 0));
+}
+
+// The machine's available memory (MemAvailable of /proc/meminfo), 0 when it cannot be read.
+uint64_t host_memory_available() {
+  std::ifstream meminfo("/proc/meminfo");
+  for (std::string line; std::getline(meminfo, line);) {
+    unsigned long long kib = 0;
+    if (std::sscanf(line.c_str(), "MemAvailable: %llu kB", &kib) == 1) return static_cast<uint64_t>(kib) * 1024;
+  }
+  return 0;
+}
+
+// On the CPU the arena is host memory: a run larger than the machine is refused before it
+// allocates, as --vram refuses one on the GPU, instead of failing inside the allocator.
+void check_host_memory(const Plan& plan, Device device) {
+  if (device != Device::cpu) return;
+  const uint64_t available = host_memory_available();
+  const uint64_t needed = plan.arena_bytes + plan.host_bytes;
+  MT_USER_CHECK(available == 0 || needed <= available,
+                "the run needs {} of host memory (its planned arena on the CPU), the machine has {} available "
+                "(MemAvailable); use a smaller model, --bf16, --load_in_4bit, --gradient_checkpointing or a shorter "
+                "--max_seq_length (memtune plan --device cpu shows the plan)",
+                format_bytes(needed), format_bytes(available));
+}
+
+// Levenshtein distance: how far a mistyped option is from each real one.
+size_t edit_distance(std::string_view a, std::string_view b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diagonal = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const size_t above = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diagonal = above;
+    }
+  }
+  return row[b.size()];
+}
+
+// The closest of `names` to `typed`, or "" when none is close enough to be the one meant.
+std::string closest_name(const std::string& typed, const std::vector<std::string>& names) {
+  std::string best;
+  size_t best_distance = std::max<size_t>(2, typed.size() / 3) + 1;
+  for (const std::string& name : names) {
+    const size_t distance = edit_distance(typed, name);
+    if (distance < best_distance) best = name, best_distance = distance;
+  }
+  return best;
+}
+
+// CLI11's parse errors as memtune's: one line and exit 2 (help and --version exit 0 as CLI11
+// prints them). An unknown option is named with the closest real one.
+int exit_for_parse_error(CLI::App& app, const CLI::ParseError& error, int argc, char** argv) {
+  if (error.get_exit_code() == 0) return app.exit(error);
+  CLI::App* command = nullptr;
+  std::vector<std::string> command_names;
+  const std::vector<CLI::App*> commands = app.get_subcommands([](CLI::App*) { return true; });
+  for (CLI::App* sub : commands) command_names.push_back(sub->get_name());
+  int first = 1;
+  for (; first < argc; ++first) {
+    const std::string arg = argv[first];
+    if (arg.rfind("-", 0) == 0) continue;
+    for (CLI::App* sub : commands)
+      if (sub->check_name(arg)) command = sub;
+    if (command == nullptr) {
+      const std::string near = closest_name(arg, command_names);
+      std::fprintf(stderr, "memtune: error: unknown command %s%s (memtune --help lists them)\n", arg.c_str(),
+                   near.empty() ? "" : ("; did you mean " + near + "?").c_str());
+      return 2;
+    }
+    break;
+  }
+  if (command != nullptr && dynamic_cast<const CLI::ExtrasError*>(&error) != nullptr) {
+    for (int i = first + 1; i < argc; ++i) {
+      std::string arg = argv[i];
+      if (arg.rfind("--", 0) != 0 || arg == "--") continue;
+      arg = arg.substr(0, arg.find('='));
+      if (command->get_option_no_throw(arg) != nullptr) continue;
+      std::vector<std::string> names;
+      for (const CLI::Option* option : command->get_options())
+        for (const std::string& name : option->get_lnames()) names.push_back("--" + name);
+      const std::string near = closest_name(arg, names);
+      std::fprintf(stderr, "memtune: error: unknown option %s%s\n", arg.c_str(),
+                   near.empty() ? fmt::format(" (memtune {} --help lists the options)", command->get_name()).c_str()
+                                : ("; did you mean " + near + "?").c_str());
+      return 2;
+    }
+  }
+  std::fprintf(stderr, "memtune: error: %s%s\n", error.what(),
+               command != nullptr ? fmt::format(" (memtune {} --help)", command->get_name()).c_str() : "");
+  return 2;
 }
 
 // ---- merge, generate, logits: what a trained adapter is for --------------------------------------
@@ -258,6 +354,7 @@ int run_logits(const OutputCommandOptions& o) {
 int run_cli(int argc, char** argv) {
   CLI::App app{"memtune: LoRA/QLoRA fine-tuning for Llama that plans every byte"};
   app.require_subcommand(1);
+  app.set_version_flag("--version", std::string("memtune ") + MEMTUNE_VERSION);
   RunConfig run;
   RunFlags flags;
   std::string device = "auto", vram, data_path, eval_path, tokenizer_path, out_dir, init_adapter, resume;
@@ -276,6 +373,7 @@ int run_cli(int argc, char** argv) {
   bool live_at_peak = false;
   plan_cmd->add_flag("--live-at-peak", live_at_peak, "also list the buffers alive at the peak, largest first");
   plan_cmd->add_option("--vram", vram, "budget, e.g. 24GiB: refuse, with advice, a plan over it");
+  plan_cmd->add_option("--device", device, "the device planned for: cuda (auto; its 32 MiB GEMM and reduction workspace included) or cpu (no workspace: what train --device cpu allocates)")->capture_default_str();
   int plan_world_size = 1;
   plan_cmd->add_option("--world_size", plan_world_size, "several GPUs: plan one rank of this many (ZeRO-1 optimizer state)")->capture_default_str();
   plan_cmd->add_flag("--shard_base", run.shard_base, "with --world_size 2 or more: the frozen base sharded across the ranks and gathered one layer at a time (FSDP-QLoRA)");
@@ -303,10 +401,18 @@ int run_cli(int argc, char** argv) {
   train_cmd->add_option("--num_train_epochs", num_train_epochs, "epochs to train; --max_steps wins when both are given (transformers)");
   train_cmd->add_option("--data_seed", data_seed, "seed of the epoch-wise shuffle (default: --seed)");
   train_cmd->add_option("--tokenizer", tokenizer_path, "tokenizer.json (default: the built-in byte tokenizer)");
-  train_cmd->add_option("--out", out_dir, "output folder: adapter (PEFT format) and checkpoint");
-  train_cmd->add_option("--init-adapter,--init_adapter", init_adapter, "start from a PEFT adapter folder");
-  train_cmd->add_option("--resume", resume, "continue from a memtune checkpoint folder");
+  train_cmd->add_option("--out,--output_dir", out_dir, "output folder: adapter/ (PEFT format) and checkpoint-<step>/ folders; a fresh run needs an empty one");
+  train_cmd->add_option("--init-adapter,--init_adapter", init_adapter, "start from a PEFT adapter folder (its adapter_config.json gives the LoRA settings)");
+  train_cmd->add_option("--resume,--resume_from_checkpoint", resume, "continue from a checkpoint folder, or from the newest checkpoint-<step> of an output folder");
   train_cmd->add_option("--save_steps", save_steps, "write a checkpoint every N steps");
+  bool overwrite_output_dir = false, allow_skipped_steps = false;
+  int64_t save_total_limit = 0, logging_steps = 1;
+  double max_skipped_steps_ratio = StepHealthOptions{}.max_skipped_steps_ratio;
+  train_cmd->add_flag("--overwrite_output_dir", overwrite_output_dir, "a fresh run into a non-empty --out: remove the previous run's adapter and checkpoints first");
+  train_cmd->add_option("--save_total_limit", save_total_limit, "keep only the newest N checkpoint-<step> folders (0: all)")->capture_default_str();
+  train_cmd->add_option("--logging_steps", logging_steps, "print a step line every N steps (--metrics gets every step)")->capture_default_str();
+  train_cmd->add_option("--max_skipped_steps_ratio", max_skipped_steps_ratio, "fail the run when more than this share of its steps were skipped (fp16 overflow) or had a gradient norm of exactly 0")->capture_default_str();
+  train_cmd->add_flag("--allow_skipped_steps", allow_skipped_steps, "report skipped and zero-gradient steps, never fail for them");
   train_cmd->add_option("--device", device, "cpu | cuda | auto")->capture_default_str();
   train_cmd->add_option("--vram", vram, "budget, e.g. 24GiB");
   train_cmd->add_option("--on-bad-line,--on_bad_line", bad_line, "error | skip (skipped lines are counted and reported)")->capture_default_str();
@@ -337,7 +443,7 @@ int run_cli(int argc, char** argv) {
   add_run_options(*ladder_cmd, run, flags);
   ladder_cmd->add_option("--vram", vram, "budget, e.g. 24GiB");
   ladder_cmd->add_option("--out", out_dir, "folder for ladder.json (and report.md, ladder.csv, ladder.svg)")->capture_default_str();
-  ladder_cmd->add_option("--order", order, "comma list of: bf16,gradient_checkpointing,flash,qlora,chunked_loss,micro_batch,seq_halved");
+  ladder_cmd->add_option("--order", order, "comma list of: bf16,gradient_checkpointing,flash,qlora,chunked_loss,micro_batch,seq_halved; fp32 first starts from an fp32 baseline (as --fp32)");
   ladder_cmd->add_option("--steps-per-rung", ladder_steps, "optimizer steps measured per rung")->capture_default_str();
   ladder_cmd->add_option("--device", device)->capture_default_str();
   std::string ladder_flash_backend = "auto";
@@ -414,15 +520,24 @@ int run_cli(int argc, char** argv) {
   // ---- end quantize ----
 
   // A run YAML (--config FILE) sets defaults that the flags then override.
+  std::set<std::string> yaml_keys;  // what the YAML set, as opposed to the defaults
   for (int i = 1; i + 1 < argc; ++i)
-    if (std::string(argv[i]) == "--config") apply_run_yaml(argv[i + 1], run);
+    if (std::string(argv[i]) == "--config") yaml_keys.merge(apply_run_yaml(argv[i + 1], run));
   std::string config_path;
   for (CLI::App* command : {plan_cmd, train_cmd, eval_cmd, ladder_cmd, fit_cmd, sweep_cmd})
     command->add_option("--config", config_path, "run YAML in HF option names (configs/runs/)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+    return exit_for_parse_error(app, e, argc, argv);
+  }
+
+  // A run whose result is thrown away, or learned from nothing, says so before anything else.
+  if (train_cmd->parsed() && (data_path.empty() || out_dir.empty())) {
+    std::string note;
+    if (data_path.empty()) note = "no --data: training on synthetic random tokens";
+    if (out_dir.empty()) note += std::string(note.empty() ? "" : "; ") + "no --out: the trained adapter is not saved";
+    std::cerr << "memtune: note: " << note << "\n";
   }
 
   if (report_cmd->parsed()) {
@@ -459,6 +574,21 @@ int run_cli(int argc, char** argv) {
   // The ladder sets checkpointing per rung, so --offload_activations without
   // --gradient_checkpointing is valid there (run_ladder validates every rung).
   resolve_run_flags(run, flags, /*validate=*/!ladder_cmd->parsed());
+  // An adapter to start from (train --init-adapter, eval --adapter) brings its own LoRA settings.
+  if (!init_adapter.empty() && (train_cmd->parsed() || eval_cmd->parsed())) {
+    CLI::App* command = train_cmd->parsed() ? train_cmd : eval_cmd;
+    const auto given = [&](const char* flag, const char* key) {
+      return command->count(flag) > 0 || yaml_keys.count(key) > 0;
+    };
+    LoraOptionsGiven lora_given;
+    lora_given.r = given("--lora_r", "lora_r");
+    lora_given.alpha = given("--lora_alpha", "lora_alpha");
+    lora_given.dropout = given("--lora_dropout", "lora_dropout");
+    lora_given.use_rslora = given("--use_rslora", "use_rslora");
+    lora_given.target_modules = given("--lora_target_modules", "lora_target_modules");
+    adopt_adapter_lora_config(run, read_peft_adapter_config(init_adapter), lora_given, init_adapter);
+    run.validate();
+  }
   const ModelSource source = resolve_model(run.model);
   const LlamaConfig& model = source.config;
 
@@ -503,10 +633,19 @@ int run_cli(int argc, char** argv) {
     return 0;
   }
   if (plan_cmd->parsed()) {
-    const Plan plan = plan_run(run, model);
-    if (json) std::cout << plan_json(plan, run, model).dump(2) << "\n";
+    MT_USER_CHECK(device == "auto" || device == "cpu" || device == "cuda", "--device {}: expected cpu, cuda or auto", device);
+    const Plan plan = plan_run(run, model, device == "cpu" ? Device::cpu : Device::cuda);
+    if (json) {
+      nlohmann::json out = plan_json(plan, run, model);
+      if (!vram.empty()) {
+        out["budget_bytes"] = parse_bytes(vram);
+        out["fits"] = plan.arena_bytes <= parse_bytes(vram);
+      }
+      std::cout << out.dump(2) << std::endl;  // whole on stdout before a refusal on stderr
+    }
     else std::cout << format_plan(plan, run, model);
     if (live_at_peak && !json) std::cout << format_live_at_peak(plan);
+    std::cout.flush();  // the plan, then (on stderr) a refusal
     check_budget(plan, run, model, vram);
     return 0;
   }
@@ -556,6 +695,7 @@ int run_cli(int argc, char** argv) {
     options.isolate = isolate;
     options.profile = profile;
     options.flash_backend = ladder_flash_backend;
+    options.fp32_baseline = flags.fp32;
     options.metrics = metrics_path;
     options.commit = git_commit();
     options.date = today();
@@ -619,6 +759,7 @@ int run_cli(int argc, char** argv) {
     int64_t longest = 2;
     for (const Sample& s : data.samples) longest = std::max<int64_t>(longest, s.input_ids.size());
     eval_run.max_seq_length = std::min<int64_t>(longest, run.max_seq_length);
+    check_host_memory(plan_run(eval_run, model, backend->device()), backend->device());
     PlannedEngine engine(*backend, eval_run, model);
     if (!source.checkpoint_dir.empty()) engine->load_base_checkpoint(source.checkpoint_dir);
     else engine->init_random_weights(run.seed);
@@ -682,9 +823,26 @@ int run_cli(int argc, char** argv) {
   } else if (num_train_epochs > 0) {
     std::cerr << "memtune: note: --max_steps " << run.max_steps << " wins over --num_train_epochs\n";
   }
-  // One rank's plan, as `memtune plan --world_size N` traces it; held against --vram (per GPU)
-  // before anything is allocated.
-  const Plan plan = plan_run(run, model, Device::cuda, launch.world_size);
+  MT_USER_CHECK(save_total_limit >= 0, "--save_total_limit {}: expected 0 (keep all) or more", save_total_limit);
+  MT_USER_CHECK(logging_steps >= 1, "--logging_steps {}: expected 1 or more", logging_steps);
+  MT_USER_CHECK(max_skipped_steps_ratio >= 0 && max_skipped_steps_ratio <= 1,
+                "--max_skipped_steps_ratio {}: expected a share from 0 to 1", max_skipped_steps_ratio);
+  MT_USER_CHECK(resume.empty() || !overwrite_output_dir,
+                "--resume and --overwrite_output_dir exclude each other: a resumed run continues in its output folder");
+  // The output folder is locked and checked before the model is loaded (rank 0 writes it).
+  std::shared_ptr<OutputDirLock> output_lock;
+  if (!out_dir.empty() && launch.rank == 0) {
+    output_lock = std::make_shared<OutputDirLock>(out_dir);
+    for (const std::string& name : prepare_output_dir(out_dir, overwrite_output_dir, !resume.empty()))
+      std::cerr << "memtune: --overwrite_output_dir: removed the previous run's "
+                << (std::filesystem::path(out_dir) / name).string() << "\n";
+  }
+  // One rank's plan, as `memtune plan --world_size N` traces it, for the device it runs on;
+  // held against --vram (per GPU), and on the CPU against the host's memory, before anything is
+  // allocated.
+  // Several ranks run on GPUs only (the communicator refuses CPU ranks after the budget check).
+  const Device planned_device = launch.world_size > 1 ? Device::cuda : backend->device();
+  const Plan plan = plan_run(run, model, planned_device, launch.world_size);
   std::cerr << format_plan(plan, run, model);
   if (launch.world_size > 1) {
     RunConfig one_device = run;
@@ -692,6 +850,7 @@ int run_cli(int argc, char** argv) {
     std::cerr << format_rank_memory(plan_run(one_device, model), rank_memory(plan, launch.world_size, run.shard_base));
   }
   check_budget(plan, run, model, vram, launch.world_size);
+  check_host_memory(plan, backend->device());
   const std::unique_ptr<Communicator> communicator = make_communicator(launch, backend->device());
   PlannedEngine engine(*backend, run, model, communicator.get());
   if (!source.checkpoint_dir.empty()) engine->load_base_checkpoint(source.checkpoint_dir);
@@ -715,6 +874,13 @@ int run_cli(int argc, char** argv) {
   options.metrics_path = metrics_path;
   options.planned_peak_bytes = plan.arena_bytes;
   options.quiet = quiet;
+  options.overwrite_output_dir = overwrite_output_dir;
+  options.save_total_limit = save_total_limit;
+  options.logging_steps = logging_steps;
+  options.step_health.max_skipped_steps_ratio = max_skipped_steps_ratio;
+  options.step_health.allow_skipped_steps = allow_skipped_steps;
+  options.base_checkpoint = source.checkpoint_dir.string();
+  options.output_lock = output_lock;
   Trainer trainer(engine.engine(), data, has_eval ? &eval_data : nullptr, options, std::cout, std::cerr);
   return trainer.run().exit_code;
 }

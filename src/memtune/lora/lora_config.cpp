@@ -49,6 +49,22 @@ std::string LoraConfig::targets_string() const {
   return out;
 }
 
+std::string lora_config_differences(const LoraConfig& first, const LoraConfig& second) {
+  std::string out;
+  const auto differ = [&](std::string_view key, const std::string& a, const std::string& b) {
+    if (a == b) return;
+    out += fmt::format("{}{} {} vs {}", out.empty() ? "" : ", ", key, a, b);
+  };
+  // Exact comparisons: both sides come from the same decimal text (flag or JSON) or from a
+  // file memtune wrote, and an alpha that differs in any digit scales the adapter differently.
+  differ("r", std::to_string(first.r), std::to_string(second.r));
+  differ("lora_alpha", fmt::format("{}", first.alpha), fmt::format("{}", second.alpha));
+  differ("lora_dropout", fmt::format("{}", first.dropout), fmt::format("{}", second.dropout));
+  differ("use_rslora", first.use_rslora ? "true" : "false", second.use_rslora ? "true" : "false");
+  differ("target_modules", first.targets_string(), second.targets_string());
+  return out;
+}
+
 std::vector<LoraSpec> lora_table(const LlamaConfig& model, const LoraConfig& lora) {
   std::vector<LoraSpec> table;
   for (int layer = 0; layer < model.num_hidden_layers; ++layer) {

@@ -24,6 +24,11 @@ struct LoraConfig {
   std::string targets_string() const;  // "q_proj,k_proj,..."
 };
 
+// The settings in which two LoRA configs differ, in PEFT's adapter_config.json names, as
+// "lora_alpha 32 vs 16, r 8 vs 16" (first's value, then second's); "" when they compute the same
+// adapter (r, lora_alpha, lora_dropout, use_rslora and target_modules all equal).
+std::string lora_config_differences(const LoraConfig& first, const LoraConfig& second);
+
 struct LoraSpec {
   int layer;
   Projection projection;

@@ -25,6 +25,32 @@ int64_t require_positive_int(const json& object, const char* key, const std::str
   return value.get<int64_t>();
 }
 
+// The largest value of each size that memtune accepts: well above every released Llama-family
+// model (Llama 3.1 405B: hidden 16384, intermediate 53248, 126 layers, 128 heads; vocabularies
+// up to 256k; contexts up to 10M), and small enough that every byte count the planner derives
+// from them (for example an eager attention's batch x heads x seq x seq scores) fits in 64 bits.
+// A value beyond is a typo or a hostile file, refused with a clear message instead of planned.
+struct SizeLimit {
+  const char* key;
+  int64_t max;
+};
+constexpr SizeLimit kSizeLimits[] = {
+    {"hidden_size", int64_t{1} << 17},          {"intermediate_size", int64_t{1} << 20},
+    {"num_hidden_layers", 1024},                 {"num_attention_heads", 1024},
+    {"num_key_value_heads", 1024},               {"head_dim", 1024},
+    {"vocab_size", int64_t{1} << 24},            {"max_position_embeddings", int64_t{1} << 24},
+    {"original_max_position_embeddings", int64_t{1} << 24},
+};
+
+int64_t require_size(const json& object, const char* key, const std::string& source) {
+  const int64_t value = require_positive_int(object, key, source);
+  for (const SizeLimit& limit : kSizeLimits)
+    if (std::string_view(limit.key) == key)
+      MT_USER_CHECK(value <= limit.max, "{}: \"{}\" {} is outside the sizes real models use (1 to {})", source, key,
+                    value, limit.max);
+  return value;
+}
+
 double number_or(const json& object, const char* key, double fallback, const std::string& source) {
   auto it = object.find(key);
   if (it == object.end() || it->is_null()) return fallback;
@@ -41,17 +67,17 @@ LlamaConfig LlamaConfig::from_json(const json& j, const std::string& source) {
                 "{}: unsupported model_type {} (memtune supports \"llama\")", source,
                 model_type.dump());
   LlamaConfig c;
-  c.hidden_size = require_positive_int(j, "hidden_size", source);
-  c.intermediate_size = require_positive_int(j, "intermediate_size", source);
-  c.num_hidden_layers = require_positive_int(j, "num_hidden_layers", source);
-  c.num_attention_heads = require_positive_int(j, "num_attention_heads", source);
+  c.hidden_size = require_size(j, "hidden_size", source);
+  c.intermediate_size = require_size(j, "intermediate_size", source);
+  c.num_hidden_layers = require_size(j, "num_hidden_layers", source);
+  c.num_attention_heads = require_size(j, "num_attention_heads", source);
   c.num_key_value_heads = j.contains("num_key_value_heads") && !j["num_key_value_heads"].is_null()
-                              ? require_positive_int(j, "num_key_value_heads", source)
+                              ? require_size(j, "num_key_value_heads", source)
                               : c.num_attention_heads;
-  c.vocab_size = require_positive_int(j, "vocab_size", source);
-  c.max_position_embeddings = require_positive_int(j, "max_position_embeddings", source);
+  c.vocab_size = require_size(j, "vocab_size", source);
+  c.max_position_embeddings = require_size(j, "max_position_embeddings", source);
   if (j.contains("head_dim") && !j["head_dim"].is_null()) {
-    c.head_dim = require_positive_int(j, "head_dim", source);
+    c.head_dim = require_size(j, "head_dim", source);
   } else {
     MT_USER_CHECK(c.hidden_size % c.num_attention_heads == 0,
                   "{}: hidden_size {} is not divisible by num_attention_heads {} and no head_dim "
@@ -107,7 +133,7 @@ LlamaConfig LlamaConfig::from_json(const json& j, const std::string& source) {
       c.rope_scaling.low_freq_factor = number_or(rs, "low_freq_factor", 0, ctx);
       c.rope_scaling.high_freq_factor = number_or(rs, "high_freq_factor", 0, ctx);
       c.rope_scaling.original_max_position_embeddings =
-          require_positive_int(rs, "original_max_position_embeddings", ctx);
+          require_size(rs, "original_max_position_embeddings", ctx);
       MT_USER_CHECK(c.rope_scaling.factor > 0 && c.rope_scaling.low_freq_factor > 0 &&
                         c.rope_scaling.high_freq_factor > c.rope_scaling.low_freq_factor,
                     "{}: llama3 rope_scaling needs factor > 0 and high_freq_factor > "

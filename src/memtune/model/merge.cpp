@@ -74,8 +74,10 @@ LoraConfig read_peft_adapter_config(const fs::path& adapter_dir) {
   const fs::path path = adapter_dir / "adapter_config.json";
   MT_USER_CHECK(fs::is_regular_file(path), "{}: no adapter_config.json (not a PEFT adapter folder)",
                 adapter_dir.string());
-  const nlohmann::json j = read_json_file(path);
-  const std::string where = path.string();
+  return parse_peft_adapter_config(read_json_file(path), path.string());
+}
+
+LoraConfig parse_peft_adapter_config(const nlohmann::json& j, const std::string& where) {
   json_require_object(j, where);
   const std::string peft_type = json_get_or<std::string>(j, "peft_type", "LORA", where);
   MT_USER_CHECK(peft_type == "LORA", "{}: peft_type {}: only LoRA adapters can be applied", where,

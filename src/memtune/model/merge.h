@@ -28,6 +28,8 @@ namespace memtune {
 // patterns, layers_to_transform, fan_in_fan_out, targets other than the seven projections, a
 // regex target_modules), naming the key.
 LoraConfig read_peft_adapter_config(const std::filesystem::path& adapter_dir);
+// The same from the file's parsed JSON; `where` names it in errors.
+LoraConfig parse_peft_adapter_config(const nlohmann::json& config, const std::string& where);
 
 // A PEFT adapter in host memory: its config and every lora_A / lora_B in fp32.
 struct PeftAdapter {

@@ -45,6 +45,18 @@ bool fit_token_chunks(RunConfig& run, const LlamaConfig& model, uint64_t budget,
   return false;
 }
 
+std::string fit_flags(const RunConfig& r) {
+  std::string flags = fmt::format("--{} --attn_implementation {} --loss_implementation {}", precision_name(r.precision),
+                                  r.attn_implementation, r.loss_implementation);
+  if (r.load_in_4bit) flags += " --load_in_4bit";
+  if (r.gradient_checkpointing) flags += " --gradient_checkpointing";
+  if (r.offload_activations) flags += " --offload_activations";
+  flags += fmt::format(" --per_device_train_batch_size {} --gradient_accumulation_steps {}", r.per_device_train_batch_size,
+                       r.gradient_accumulation_steps);
+  if (r.mlp_chunk_tokens > 0) flags += fmt::format(" --mlp_chunk_tokens {}", r.mlp_chunk_tokens);
+  return flags;
+}
+
 FitResult fit_run(const RunConfig& base, const LlamaConfig& model, uint64_t budget, uint64_t context) {
   FitResult result;
   const int64_t effective = base.per_device_train_batch_size * base.gradient_accumulation_steps;
@@ -113,7 +125,8 @@ MaxContextResult max_context(const RunConfig& base, const LlamaConfig& model, ui
   RunConfig run = max_context_stack(base, offload_activations);
   MaxContextResult result;
   result.offload_activations = offload_activations;
-  const int64_t model_limit = model.max_position_embeddings > 0 ? model.max_position_embeddings : int64_t{1} << 20;
+  const int64_t model_limit = std::min(model.max_position_embeddings > 0 ? model.max_position_embeddings : RunConfig::kMaxSeqLength,
+                                       RunConfig::kMaxSeqLength);
   // The plan grows with seq: the longest fitting multiple of kContextStep (or the model's limit).
   auto plan_at = [&](int64_t seq) {
     run.max_seq_length = seq;

@@ -16,6 +16,10 @@ struct FitResult {
   std::string explanation;    // every candidate tried, and why the chosen one won
 };
 
+// The options that give `fitted` (a FitResult's run) from the command line: "--bf16
+// --attn_implementation flash --loss_implementation chunked --load_in_4bit ...".
+std::string fit_flags(const RunConfig& fitted);
+
 // Keeps the effective batch (micro-batch x accumulation) of `base`.
 FitResult fit_run(const RunConfig& base, const LlamaConfig& model, uint64_t budget_bytes,
                   uint64_t context_bytes);

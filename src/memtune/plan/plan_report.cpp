@@ -5,6 +5,7 @@
 #include <functional>
 
 #include "memtune/core/bytes.h"
+#include "memtune/plan/fit.h"
 
 namespace memtune {
 
@@ -44,7 +45,10 @@ nlohmann::json plan_json(const Plan& plan, const RunConfig& run, const LlamaConf
     const char* key = r.name == "model.embed_tokens.weight" ? "embeddings" : "offloaded_activations";
     host[key] = host.value(key, uint64_t{0}) + r.bytes;
   }
-  return {{"categories", categories},
+  // Every figure is in bytes; "device" is the backend planned for (its workspace included).
+  return {{"units", "bytes"},
+          {"device", std::string(device_name(plan.target))},
+          {"categories", categories},
           {"max_by_category", max},
           {"host_categories", host},
           {"host_bytes", plan.host_bytes},
@@ -59,9 +63,9 @@ nlohmann::json plan_json(const Plan& plan, const RunConfig& run, const LlamaConf
 
 std::string format_plan(const Plan& plan, const RunConfig& run, const LlamaConfig& model) {
   std::string out = fmt::format(
-      "memtune plan: {} | {} | attention {} | checkpointing {}{} | loss {} | batch {} x seq {} "
+      "memtune plan for {}: {} | {} | attention {} | checkpointing {}{} | loss {} | batch {} x seq {} "
       "(accumulation {}) | LoRA r{} alpha {} on {}\n",
-      model.name.empty() ? run.model : model.name, precision_name(run.precision),
+      device_name(plan.target), model.name.empty() ? run.model : model.name, precision_name(run.precision),
       run.attn_implementation, run.gradient_checkpointing ? "on" : "off",
       run.offload_activations ? " + offload" : "", run.loss_implementation,
       run.per_device_train_batch_size, run.max_seq_length, run.gradient_accumulation_steps,
@@ -93,6 +97,7 @@ std::string fit_advice(const RunConfig& run, const LlamaConfig& model, uint64_t 
   const std::vector<Change> changes = {
       {"--shard_base (the frozen base split across the ranks)", [world_size](RunConfig& r) { if (world_size < 2 || r.shard_base) return false; r.shard_base = true; return true; }},
       {"--bf16", [](RunConfig& r) { if (r.precision != Precision::fp32) return false; r.precision = Precision::bf16; return true; }},
+      {"--load_in_4bit (QLoRA: the frozen base in 4 bits)", [](RunConfig& r) { if (r.load_in_4bit) return false; r.load_in_4bit = true; r.bnb_4bit_compute_dtype.clear(); return true; }},
       {"--gradient_checkpointing", [](RunConfig& r) { if (r.gradient_checkpointing) return false; r.gradient_checkpointing = true; return true; }},
       {"--attn_implementation flash", [](RunConfig& r) { if (r.attn_implementation != "eager") return false; r.attn_implementation = "flash"; return true; }},
       {"--loss_implementation chunked", [](RunConfig& r) { if (r.loss_implementation == "chunked") return false; r.loss_implementation = "chunked"; return true; }},
@@ -116,6 +121,18 @@ std::string fit_advice(const RunConfig& run, const LlamaConfig& model, uint64_t 
   }
   const uint64_t all_peak = planned(all) + context;
   out += fmt::format("  {:<58} -> {:>12}{}\n", "all of the above", format_bytes(all_peak), all_peak <= budget ? "  fits" : "  still does not fit");
+  // The search `memtune fit` makes (same plans, same effective batch and seq), so that the
+  // advice and fit give one answer.
+  if (world_size == 1) {
+    const FitResult fit = fit_run(run, model, budget, context);
+    const std::string reserve = context > 0 ? fmt::format(" with {} reserved for the CUDA context", format_bytes(context)) : "";
+    if (fit.fits)
+      out += fmt::format("memtune fit (the same plans{}) finds a run that fits, at {}: {}\n", reserve,
+                         format_bytes(fit.with_context_bytes), fit_flags(fit.run));
+    else
+      out += fmt::format("memtune fit (the same plans{}) finds nothing that fits at this model, seq and effective "
+                         "batch: shorten --max_seq_length or use a smaller model\n", reserve);
+  }
   return out;
 }
 

@@ -49,6 +49,8 @@ const std::vector<Trick>& tricks() {
 const Trick& trick_named(const std::string& name) {
   for (const Trick& t : tricks())
     if (t.name == name) return t;
+  MT_USER_CHECK(name != "fp32", "--order: fp32 is the baseline's precision, not a trick: put it first in --order "
+                "(or pass --fp32)");
   mt_fail("--order: unknown trick '{}' (known: {})", name, fmt::join(ladder_trick_names(), ", "));
 }
 
@@ -98,7 +100,10 @@ nlohmann::json run_ladder(const LadderOptions& options) {
   const LlamaConfig& model = source.config;
   const DeviceInfo device = probe_device(options.device, /*measure_gemm=*/true);
 
-  const std::vector<std::string> order = options.order.empty() ? ladder_trick_names() : options.order;
+  std::vector<std::string> order = options.order.empty() ? ladder_trick_names() : options.order;
+  // "fp32" first in --order names the baseline's precision.
+  const bool fp32_baseline = options.fp32_baseline || (!order.empty() && order.front() == "fp32");
+  if (!order.empty() && order.front() == "fp32") order.erase(order.begin());
   for (const std::string& name : order) trick_named(name);
 
   RunConfig base = options.base;
@@ -106,7 +111,8 @@ nlohmann::json run_ladder(const LadderOptions& options) {
   // the rungs that checkpoint and to none before them.
   const bool offload_checkpoints = base.offload_activations;
   base.offload_activations = false;
-  base.precision = Precision::fp16;  // the seed's baseline: fp16, eager, no checkpointing, full loss
+  // The seed's baseline: fp16 (or fp32), eager, no checkpointing, full loss.
+  base.precision = fp32_baseline ? Precision::fp32 : Precision::fp16;
   base.attn_implementation = "eager";
   base.gradient_checkpointing = false;
   base.loss_implementation = "full";
@@ -124,7 +130,7 @@ nlohmann::json run_ladder(const LadderOptions& options) {
     entries.push_back(std::move(entry));
     return &entries.back().rung;
   };
-  add(base, "fp16 baseline", "", "rungs");
+  add(base, fp32_baseline ? "fp32 baseline" : "fp16 baseline", "", "rungs");
   MT_USER_CHECK(options.flash_backend == "auto" || options.flash_backend == "flash" ||
                     options.flash_backend == "cudnn",
                 "--flash-backend {}: expected auto, flash or cudnn", options.flash_backend);
@@ -209,6 +215,7 @@ nlohmann::json run_ladder(const LadderOptions& options) {
       {"commit", options.commit}, {"date", options.date}, {"budget_bytes", options.budget_bytes}};
   ladder["config"]["steps_per_rung"] = options.steps;
   ladder["config"]["order"] = order;
+  ladder["config"]["baseline_precision"] = std::string(precision_name(base.precision));
   ladder["config"]["flash_backend"] = flash_backend;
   ladder.update(mfu_context_json(device));
   nlohmann::json rungs = nlohmann::json::array();

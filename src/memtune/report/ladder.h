@@ -19,6 +19,9 @@ struct LadderOptions {
   uint64_t budget_bytes = 0;       // --vram
   int64_t steps = 3;               // optimizer steps measured per rung
   std::vector<std::string> order;  // trick names; empty: the seed's order
+  // The baseline in fp32 instead of the seed's fp16 (--fp32, or "fp32" first in --order), so that
+  // the bf16 rung measures what 16-bit precision saves.
+  bool fp32_baseline = false;
   bool isolate = false;            // --isolate: also each trick alone, and each removed
   bool profile = false;            // --profile: one more step per rung with every op timed
   std::string flash_backend = "auto";  // --flash-backend: the flash trick's attn_implementation (auto | flash | cudnn)

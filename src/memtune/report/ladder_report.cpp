@@ -461,6 +461,16 @@ constexpr double kCheckpointMaxSaving = 0.50;
 constexpr double kCheckpointMaxSlowdown = 0.30;    // "~20% slower", with 10 points of slack
 constexpr double kFlashMinAttentionSaving = 0.50;  // "large"
 constexpr double kLossTolerance = 0.01;            // a loss 1% higher counts as worse
+// Fewer steps than this show no instability by their nature: fp16 overflows and divergence
+// take many updates to appear, so "none seen" from a short run is no evidence either way.
+constexpr int64_t kMinStabilitySteps = 50;
+
+// A percentage beside the threshold it is judged against: to one decimal near the threshold,
+// where whole percents would print "50%" for a 49.6% that did not hold.
+std::string verdict_percent_text(double fraction, double threshold) {
+  if (std::isfinite(fraction) && std::abs(fraction - threshold) < 0.01) return fmt::format("{:.1f}%", fraction * 100);
+  return percent_text(fraction);
+}
 
 LadderClaim claim_sixteen_bit(const Ladder& ladder) {
   LadderClaim claim{"16bit_halves", "16-bit (fp16/bf16) training halves memory", "", ClaimVerdict::not_measured};
@@ -503,7 +513,7 @@ LadderClaim claim_sixteen_bit(const Ladder& ladder) {
       "activations, plan) went {} -> {}, {} less; adapters, their gradients, optimizer state and the "
       "fp32 loss stay 32-bit. Held means at least {} less in total.",
       reference.name, format_bytes(before), half.name, format_bytes(after), peak_kind_name(kind),
-      percent_text(reduction), format_bytes(parts_before), format_bytes(parts_after),
+      verdict_percent_text(reduction, kHalvesThreshold), format_bytes(parts_before), format_bytes(parts_after),
       percent_text(parts_reduction), percent_text(kHalvesThreshold));
   return claim;
 }
@@ -545,6 +555,13 @@ LadderClaim claim_bf16_stable(const Ladder& ladder) {
     claim.verdict = ClaimVerdict::held;
     claim.measured = figures + (skipped > 0 ? " fp16 overflowed: the loss scaler threw those steps away."
                                             : " fp16's loss is worse.");
+  } else if (const int64_t steps = ladder.config.contains("steps_per_rung") && ladder.config["steps_per_rung"].is_number_integer()
+                                        ? ladder.config["steps_per_rung"].get<int64_t>()
+                                        : 0;
+             steps < kMinStabilitySteps) {
+    claim.measured = figures + fmt::format(" No instability in {} step{} per rung, too few to judge (at least {}: "
+                                           "--steps-per-rung {}).",
+                                           steps, steps == 1 ? "" : "s", kMinStabilitySteps, kMinStabilitySteps);
   } else {
     claim.verdict = ClaimVerdict::did_not_hold;
     claim.measured = figures + " No instability was seen on this run (losses within " +
@@ -568,7 +585,7 @@ LadderClaim claim_checkpointing(const Ladder& ladder) {
   const double saving = fraction_of(signed_difference(peak_before, peak_after), peak_before);
   const std::string memory = fmt::format("\"{}\" against \"{}\" ({}): {} -> {}, {} less", after.name, before.name,
                                          peak_kind_name(kind), format_bytes(peak_before),
-                                         format_bytes(peak_after), percent_text(saving));
+                                         format_bytes(peak_after), verdict_percent_text(saving, kCheckpointMinSaving));
   if (kind == PeakKind::planned || !before.tokens_per_second || !after.tokens_per_second ||
       *before.tokens_per_second <= 0) {
     claim.measured = memory + "; the speed was not measured (" +
@@ -582,11 +599,11 @@ LadderClaim claim_checkpointing(const Ladder& ladder) {
   // Compared at the precision printed, so that "50% less" never reads "more than 30-50%".
   const double printed = std::round(saving * 100) / 100;
   std::string memory_note = printed > kCheckpointMaxSaving ? " (more than the 30-50% claimed)"
-                            : saving < kCheckpointMinSaving ? " (less than the 30% claimed)" : "";
+                            : saving < kCheckpointMinSaving ? " (less than the 30% claimed: held needs at least 30%)" : "";
   claim.measured = fmt::format("{}{}; tokens/s {} -> {}, {} {}{}.", memory, memory_note,
                                rate_text(*before.tokens_per_second), rate_text(*after.tokens_per_second),
-                               percent_text(std::abs(slowdown)), slowdown >= 0 ? "slower" : "faster",
-                               speed_holds ? "" : " (more than the ~20% claimed)");
+                               verdict_percent_text(std::abs(slowdown), kCheckpointMaxSlowdown), slowdown >= 0 ? "slower" : "faster",
+                               speed_holds ? "" : " (more than the ~20% claimed: held allows at most 30%)");
   return claim;
 }
 
@@ -616,7 +633,8 @@ LadderClaim claim_flash(const Ladder& ladder) {
   claim.measured = fmt::format(
       "Attention scratch + saved activations (plan), \"{}\" (eager) {} -> \"{}\" {}: {} less{}; "
       "whole {} {} -> {}.{}",
-      eager.name, format_bytes(eager_bytes), flash.name, format_bytes(flash_bytes), percent_text(saving),
+      eager.name, format_bytes(eager_bytes), flash.name, format_bytes(flash_bytes),
+      verdict_percent_text(saving, kFlashMinAttentionSaving),
       saving >= kFlashMinAttentionSaving ? "" : " (held needs at least 50%)", peak_kind_name(kind),
       format_bytes(peak_of(eager, kind)), format_bytes(peak_of(flash, kind)), sweep);
   return claim;

@@ -12,6 +12,7 @@
 #include "memtune/io/safetensors.h"
 #include "memtune/model/merge.h"
 #include "memtune/ops/device.h"
+#include "memtune/train/output_dir.h"
 
 namespace memtune {
 
@@ -149,13 +150,18 @@ void Engine::load_base_checkpoint(const std::filesystem::path& checkpoint_path) 
 }
 
 void Engine::load_adapter(const std::filesystem::path& adapter_dir) {
-  const SafetensorsCheckpoint adapter =
-      SafetensorsCheckpoint::open(adapter_dir, "adapter_model.safetensors");
+  // The reader merge and generate use: it checks adapter_config.json and that the file holds
+  // exactly the tensors of that config, each in its shape.
+  const PeftAdapter adapter = PeftAdapter::read(adapter_dir, model_);
+  const std::string differences = lora_config_differences(adapter.config, lora_.config());
+  MT_USER_CHECK(differences.empty(), "{}/adapter_config.json does not match this run's LoRA settings ({}: file vs run)",
+                adapter_dir.string(), differences);
+  MT_ASSERT(adapter.specs.size() == lora_.specs().size(), "adapter of {} tensors for {}", adapter.specs.size(),
+            lora_.specs().size());
   for (size_t i = 0; i < lora_.specs().size(); ++i) {
-    const LoraSpec& spec = lora_.specs()[i];
     const LoraTensors& t = lora_.tensors()[i];
-    upload_converted(backend_, t.a, expect_tensor(adapter, spec.a_key, {DType::f32, DType::f16, DType::bf16}, spec.a_shape));
-    upload_converted(backend_, t.b, expect_tensor(adapter, spec.b_key, {DType::f32, DType::f16, DType::bf16}, spec.b_shape));
+    backend_.copy_from_host(t.a, adapter.a[i].data());
+    backend_.copy_from_host(t.b, adapter.b[i].data());
   }
   lora_.sync_compute_copies(backend_);
   lora_.zero_optimizer(backend_);
@@ -230,7 +236,7 @@ void Engine::save_checkpoint(const std::filesystem::path& dir, const std::string
     fs::remove_all(staging, ignored);
     const bool had_previous = fs::exists(dir / "trainer_state.json", ignored);
     mt_fail("saving the checkpoint {} at step {} failed: {}; {}", dir.string(), steps_done_, e.what(),
-            had_previous ? "the previous checkpoint there is unchanged" : "there was no previous checkpoint");
+            had_previous ? "the previous checkpoint there is unchanged" : "nothing of it is left");
   }
   // Swap it in. Between the two renames only DIR.old exists, and load_checkpoint looks there.
   std::error_code error;
@@ -253,12 +259,8 @@ void Engine::save_checkpoint(const std::filesystem::path& dir, const std::string
 nlohmann::json Engine::load_checkpoint(const std::filesystem::path& requested) {
   MT_USER_CHECK(!data_parallel_, "--resume {}: resuming a data-parallel run is not supported yet; start it from the "
                 "adapter with --init-adapter", requested.string());
-  std::filesystem::path dir = requested;
-  const std::filesystem::path old = requested.string() + ".old";
-  if (!std::filesystem::exists(dir / "trainer_state.json") && std::filesystem::exists(old / "trainer_state.json"))
-    dir = old;  // a save was interrupted between its renames: this is the last complete one
-  MT_USER_CHECK(std::filesystem::exists(dir / "trainer_state.json"),
-                "{} is not a complete memtune checkpoint (no trainer_state.json)", dir.string());
+  // A save interrupted between its renames leaves the last complete checkpoint in DIR.old.
+  const std::filesystem::path dir = complete_checkpoint_folder(requested);
   const nlohmann::json state = read_json_file(dir / "trainer_state.json");
   load_adapter(dir);
   const SafetensorsCheckpoint optimizer = SafetensorsCheckpoint::open(dir, "optimizer.safetensors");
@@ -450,6 +452,7 @@ Plan plan_run(const RunConfig& run, const LlamaConfig& model, Device target, int
   plan.host_records = engine.memory().host_records();
   plan.host_bytes = engine.memory().host_bytes();
   // ---- end offload ----
+  plan.target = target;
   plan.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return plan;
 }

@@ -43,6 +43,9 @@ struct Plan {
   CategoryBytes max_by_category{}; // each category's own maximum
   int64_t trainable_parameters = 0, frozen_parameters = 0;
   double seconds = 0;              // how long planning took
+  // The device planned for: its backend's workspace is part of the arena (32 MiB of GEMM and
+  // reduction scratch on CUDA, none on the CPU), so planned == allocated holds on that device.
+  Device target = Device::cuda;
   // ---- offload: host memory ----
   // Pinned host memory that the run allocates once beside the arena (offloaded activations).
   std::vector<HostAllocationRecord> host_records;
@@ -101,7 +104,9 @@ class Engine {
   void init_random_weights(uint64_t seed);
   void load_base_checkpoint(const std::filesystem::path& checkpoint);
   void init_adapters(uint64_t seed);  // PEFT init
-  // Loads a PEFT adapter folder (adapter_model.safetensors) into the fp32 masters.
+  // Loads a PEFT adapter folder into the fp32 masters. memtune::Error when its
+  // adapter_config.json differs from the run's LoRA settings (adopt_adapter_lora_config makes
+  // them agree) or its tensors do not match that config (a missing, extra or misshapen tensor).
   void load_adapter(const std::filesystem::path& adapter_dir);
   void save_adapter(const std::filesystem::path& adapter_dir, const std::string& base_model) const;
   // A resumable training state: the adapter (PEFT files) plus optimizer.safetensors (AdamW

@@ -34,6 +34,14 @@ void RunConfig::validate() const {
   MT_USER_CHECK(per_device_train_batch_size > 0, "per_device_train_batch_size must be >= 1");
   MT_USER_CHECK(gradient_accumulation_steps > 0, "gradient_accumulation_steps must be >= 1");
   MT_USER_CHECK(max_seq_length > 1, "max_seq_length must be >= 2 (a token and its next token)");
+  // Bounds that keep every planned byte count within 64 bits (with the model sizes that
+  // LlamaConfig accepts), far above what a device holds: 1M tokens per sequence, 16M per micro-batch.
+  MT_USER_CHECK(max_seq_length <= kMaxSeqLength, "max_seq_length {} is over the {} tokens memtune plans for",
+                max_seq_length, kMaxSeqLength);
+  MT_USER_CHECK(per_device_train_batch_size <= kMaxMicroBatchTokens / max_seq_length,
+                "per_device_train_batch_size {} x max_seq_length {} is over the {} tokens per micro-batch memtune "
+                "plans for", per_device_train_batch_size, max_seq_length, kMaxMicroBatchTokens);
+  MT_USER_CHECK(lora_r <= kMaxLoraRank, "lora_r {} is over {}", lora_r, kMaxLoraRank);
   MT_USER_CHECK(loss_chunk_tokens > 0, "loss_chunk_tokens must be >= 1");
   MT_USER_CHECK(mlp_chunk_tokens >= 0 || mlp_chunk_tokens == kAutoTokenChunks,
                 "mlp_chunk_tokens must be >= 0 (0: no chunking) or -1 (auto)");
@@ -98,6 +106,27 @@ LoraConfig RunConfig::lora_config() const {
   l.use_rslora = use_rslora;
   l.targets = LoraConfig::parse_targets(lora_target_modules);
   return l;
+}
+
+void adopt_adapter_lora_config(RunConfig& run, const LoraConfig& adapter, const LoraOptionsGiven& given,
+                               const std::string& source) {
+  // Only the options the user gave are compared: the others take the adapter's values.
+  LoraConfig asked = adapter;
+  if (given.r) asked.r = run.lora_r;
+  if (given.alpha) asked.alpha = run.lora_alpha;
+  if (given.dropout) asked.dropout = run.lora_dropout;
+  if (given.use_rslora) asked.use_rslora = run.use_rslora;
+  if (given.target_modules) asked.targets = LoraConfig::parse_targets(run.lora_target_modules);
+  const std::string differences = lora_config_differences(asked, adapter);
+  MT_USER_CHECK(differences.empty(),
+                "the options contradict the adapter's {}/adapter_config.json ({}: option vs file); drop the "
+                "options to use the adapter's values",
+                source, differences);
+  run.lora_r = adapter.r;
+  run.lora_alpha = adapter.alpha;
+  run.lora_dropout = adapter.dropout;
+  run.use_rslora = adapter.use_rslora;
+  run.lora_target_modules = adapter.targets_string();
 }
 
 double learning_rate_at(const RunConfig& run, int64_t step) {

@@ -78,11 +78,29 @@ struct RunConfig {
   // than kAutoChunkRows tokens, in chunks of kAutoChunkRows, where the GEMMs are full-sized; a
   // budget that needs smaller chunks gets them from fit_token_chunks.
   static constexpr int64_t kAutoChunkRows = 4096;
+  static constexpr int64_t kMaxSeqLength = int64_t{1} << 20;
+  static constexpr int64_t kMaxMicroBatchTokens = int64_t{1} << 24;
+  static constexpr int64_t kMaxLoraRank = int64_t{1} << 16;
   int64_t resolved_token_chunk_rows() const;
   StepOptions step_options() const;
   LoraConfig lora_config() const;
   void validate() const;
 };
+
+// Which LoRA options the user set (on the command line or in the run YAML), as opposed to
+// left at their defaults.
+struct LoraOptionsGiven {
+  bool r = false, alpha = false, dropout = false, use_rslora = false, target_modules = false;
+};
+
+// A run that starts from an existing adapter (train --init-adapter, eval --adapter) takes r,
+// lora_alpha, lora_dropout, use_rslora and target_modules from the adapter's
+// adapter_config.json (`adapter`, read by read_peft_adapter_config), as merge and generate do:
+// the defaults would silently scale or shape the adapter differently from how it was trained.
+// An option the user gave that contradicts the file is refused (memtune::Error naming both
+// values and `source`).
+void adopt_adapter_lora_config(RunConfig& run, const LoraConfig& adapter, const LoraOptionsGiven& given,
+                               const std::string& source);
 
 // The learning rate at optimizer step `step` (0-based), as transformers' schedulers give it.
 double learning_rate_at(const RunConfig& run, int64_t step);

@@ -4,6 +4,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <fstream>
 #include <iostream>
 
 #include "memtune/core/error.h"
@@ -11,6 +12,7 @@
 #include "memtune/io/json_util.h"
 #include "memtune/ops/backend.h"
 #include "memtune/report/progress.h"
+#include "memtune/train/run_settings.h"
 
 namespace memtune {
 namespace {
@@ -80,6 +82,21 @@ nlohmann::json data_event(const std::string& split, const std::string& name, con
           {"skipped_fully_masked", s.skipped_fully_masked}};
 }
 
+// The last train step an earlier run logged to the metrics file (-1: none, or no file). A run
+// killed after its last checkpoint logged steps that its resume runs again; those are marked.
+int64_t last_logged_train_step(const std::string& metrics_path) {
+  int64_t last = -1;
+  if (metrics_path.empty()) return last;
+  std::ifstream in(metrics_path);
+  for (std::string line; std::getline(in, line);) {
+    const nlohmann::json record = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+    if (record.is_object() && record.value("event", "") == "step" && record.value("command", "") == "train" &&
+        record.contains("step") && record["step"].is_number_integer())
+      last = std::max(last, record["step"].get<int64_t>());
+  }
+  return last;
+}
+
 std::string rows_summary(const std::vector<RowLayout>& rows, int64_t seq, const TrainerOptions& options) {
   std::string text;
   if (options.packing) {
@@ -132,7 +149,8 @@ Trainer::Trainer(Engine& engine, const Dataset& train, const Dataset* eval, Trai
       accumulation_(engine.run().gradient_accumulation_steps),
       seq_(engine.run().max_seq_length),
       rows_(training_rows(train, seq_, options_.packing)),
-      fingerprint_(dataset_fingerprint(train)) {
+      fingerprint_(dataset_fingerprint(train)),
+      health_(options_.step_health) {
   MT_USER_CHECK(!rows_.empty(), "the training data holds no samples");
   if (eval_ != nullptr) {
     eval_rows_ = training_rows(*eval_, seq_, options_.packing);
@@ -242,7 +260,27 @@ nlohmann::json Trainer::checkpoint_fields() const {
   return {{"data_position", position},
           // Dropout masks are a hash of (seed, step, micro-batch): the step is the RNG state.
           {"seed", engine_.run().seed},
-          {"max_steps", engine_.run().max_steps}};
+          {"max_steps", engine_.run().max_steps},
+          {"run_settings", run_settings()}};
+}
+
+nlohmann::json Trainer::run_settings() const {
+  return run_settings_json(engine_.run(), engine_.model(), options_.base_checkpoint);
+}
+
+std::string Trainer::kept_checkpoint() const {
+  // A checkpoint saved before the step health could be judged may already hold untrained steps.
+  if (last_checkpoint_step_ >= 0 && last_checkpoint_untrained_ > 0)
+    return fmt::format("the last checkpoint ({}, step {}; {} of the {} steps this run made before it did not train) "
+                       "is kept", last_checkpoint_path_.string(), last_checkpoint_step_, last_checkpoint_untrained_,
+                       last_checkpoint_steps_);
+  if (last_checkpoint_step_ >= 0)
+    return fmt::format("the last good checkpoint ({}, step {}) is kept", last_checkpoint_path_.string(),
+                       last_checkpoint_step_);
+  if (!options_.resume_from.empty())
+    return fmt::format("the checkpoint this run resumed from ({}, step {}) is kept", options_.resume_from.string(),
+                       resumed_step_);
+  return "no checkpoint had been written yet";
 }
 
 void Trainer::restore(const nlohmann::json& state) {
@@ -285,10 +323,26 @@ void Trainer::restore(const nlohmann::json& state) {
                         json_seed(state, "seed", where), engine_.run().seed);
 }
 
+void Trainer::fail_for_step_health(MetricsLog& metrics, ProgressLine& progress) const {
+  progress.clear();
+  metrics.write({{"event", "failed"}, {"command", "train"}, {"step", engine_.steps_done()},
+                 {"steps", health_.steps()}, {"skipped", health_.skipped()}, {"vanished", health_.vanished()}});
+  mt_fail("after step {}: {}; stopping without writing the adapter; {}", engine_.steps_done(), health_.failure_reason(),
+          kept_checkpoint());
+}
+
 void Trainer::save_checkpoint() {
-  const std::filesystem::path dir = options_.out_dir / "checkpoint";
-  engine_.save_checkpoint(dir, options_.base_model_name, checkpoint_fields());
+  const std::filesystem::path dir = checkpoint_dir_for_step(options_.out_dir, engine_.steps_done());
+  try {
+    engine_.save_checkpoint(dir, options_.base_model_name, checkpoint_fields());
+  } catch (const Error& e) {
+    mt_fail("{}; {}", e.what(), kept_checkpoint());
+  }
   last_checkpoint_step_ = engine_.steps_done();
+  last_checkpoint_path_ = dir;
+  last_checkpoint_untrained_ = health_.skipped() + health_.vanished();
+  last_checkpoint_steps_ = health_.steps();
+  rotate_checkpoints(options_.out_dir, options_.save_total_limit);
 }
 
 TrainOutcome Trainer::run() {
@@ -319,12 +373,26 @@ TrainOutcome Trainer::run() {
          << "\n";
     metrics.write(data_event("eval", options_.eval_data_name, *eval_, eval_rows_, seq_, options_.packing));
   }
+  std::shared_ptr<OutputDirLock> output_lock = options_.output_lock;
+  if (!options_.out_dir.empty() && !output_lock) {
+    output_lock = std::make_shared<OutputDirLock>(options_.out_dir);
+    for (const std::string& name :
+         prepare_output_dir(options_.out_dir, options_.overwrite_output_dir, !options_.resume_from.empty()))
+      err_ << "memtune: --overwrite_output_dir: removed the previous run's " << (options_.out_dir / name).string() << "\n";
+  }
+  const int64_t replayed_until = options_.resume_from.empty() ? -1 : last_logged_train_step(options_.metrics_path);
   if (!options_.resume_from.empty()) {
+    options_.resume_from = resolve_resume_folder(options_.resume_from);
+    // Checked before anything is loaded, so that every difference is named at once.
+    const nlohmann::json saved =
+        read_json_file(complete_checkpoint_folder(options_.resume_from) / "trainer_state.json");
+    check_resume_settings(saved.contains("run_settings") ? saved["run_settings"] : nlohmann::json(), run_settings(),
+                          options_.resume_from.string(), err_);
     restore(engine_.load_checkpoint(options_.resume_from));
+    resumed_step_ = engine_.steps_done();
     err_ << fmt::format("resumed from {} at step {} (epoch {}, row {} of {})\n", options_.resume_from.string(),
                         engine_.steps_done(), position_.epoch, position_.next_row, rows_per_epoch());
   }
-  if (!options_.out_dir.empty()) std::filesystem::create_directories(options_.out_dir);
 
   TrainOutcome outcome;
   outcome.first_step = engine_.steps_done();
@@ -365,24 +433,19 @@ TrainOutcome Trainer::run() {
                              {"lr", report.learning_rate}, {"epoch", epochs_done},
                              {"grad_norm", std::isfinite(report.grad_norm) ? nlohmann::json(report.grad_norm) : nlohmann::json()}};
     if (fp16) record["skipped"] = report.skipped;
+    if (done <= replayed_until) record["replayed"] = true;  // logged before by the run this one resumes
     // fp16 overflows are the loss scaler's business (the step was skipped and the scale backed
     // off); in fp32 or bf16 a non-finite loss means the run has diverged or the data or weights
     // are broken, and every later step would be as bad.
     if (!fp16 && !(std::isfinite(report.loss) && std::isfinite(report.grad_norm))) {
       metrics.write(record);
       progress.clear();
-      std::string kept = "no checkpoint had been written yet";
-      if (last_checkpoint_step_ >= 0)
-        kept = fmt::format("the last good checkpoint ({}, step {}) is kept", (options_.out_dir / "checkpoint").string(),
-                           last_checkpoint_step_);
-      else if (!options_.resume_from.empty())
-        kept = fmt::format("the checkpoint this run resumed from ({}, step {}) is kept",
-                           options_.resume_from.string(), outcome.first_step);
       mt_fail("step {}: the loss is {} (grad norm {}) in {} training; stopping without saving this step "
               "(the adapter was not updated by it); {}",
-              done, report.loss, report.grad_norm, precision_name(run.precision), kept);
+              done, report.loss, report.grad_norm, precision_name(run.precision), kept_checkpoint());
     }
     outcome.losses.push_back(report.loss);
+    health_.record(report);
     outcome.steps_done = done;
     outcome.tokens.computed += report.tokens;
     outcome.tokens.real += report.real_tokens;
@@ -401,15 +464,18 @@ TrainOutcome Trainer::run() {
     }
     metrics.write(std::move(record));
     progress.clear();  // the step's line goes to stdout; the progress line is redrawn below it
-    if (!options_.quiet) out_ << line.dump() << std::endl;
+    if (!options_.quiet && (done % std::max<int64_t>(1, options_.logging_steps) == 0 || done == run.max_steps))
+      out_ << line.dump() << std::endl;
     progress.set_work_done(static_cast<double>(done - outcome.first_step));
     progress.update(fmt::format("train step {}/{}  loss {:.4f}  {:.2f} s/step  {:.0f} tokens/s", done, run.max_steps,
                                 report.loss, seconds, report.real_tokens / seconds));
     if (options_.after_step) options_.after_step(done, report);
     if (!options_.out_dir.empty() && options_.save_steps > 0 && done % options_.save_steps == 0) {
+      // A run that has stopped training keeps its last good checkpoint instead of a new one.
+      if (health_.failing(/*at_end=*/false)) fail_for_step_health(metrics, progress);
       save_checkpoint();
       metrics.write({{"event", "checkpoint"}, {"command", "train"}, {"step", done},
-                     {"path", (options_.out_dir / "checkpoint").string()}});
+                     {"path", last_checkpoint_path_.string()}});
     }
     if (g_stop_signal != 0 && done < run.max_steps) {
       const int signal_number = g_stop_signal;
@@ -428,10 +494,10 @@ TrainOutcome Trainer::run() {
                             (options_.out_dir / "adapter").string());
       } else {
         if (last_checkpoint_step_ != done) save_checkpoint();
-        const std::string dir = (options_.out_dir / "checkpoint").string();
         err_ << fmt::format("memtune: {} after step {} of {}: stopped; checkpoint written to {} "
                             "(continue with --resume {})\n",
-                            signal_name(signal_number), done, run.max_steps, dir, dir);
+                            signal_name(signal_number), done, run.max_steps, last_checkpoint_path_.string(),
+                            options_.out_dir.string());
       }
       metrics.write({{"event", "interrupted"}, {"command", "train"}, {"step", done},
                      {"signal", signal_name(signal_number)}});
@@ -451,6 +517,8 @@ TrainOutcome Trainer::run() {
                    {"padding_fraction", t.padding_fraction()}, {"seconds", t.seconds},
                    {"tokens_per_second", t.real / t.seconds}, {"targets_per_second", t.targets / t.seconds}});
   }
+  err_ << "memtune: " << health_.summary() << "\n";
+  if (health_.failing(/*at_end=*/true)) fail_for_step_health(metrics, progress);
   if (eval_ != nullptr && last_eval_step != outcome.steps_done) {
     const double eval_loss = run_eval(outcome.steps_done);
     if (!options_.quiet) out_ << nlohmann::json{{"step", outcome.steps_done}, {"eval_loss", eval_loss}}.dump() << std::endl;
@@ -465,7 +533,7 @@ TrainOutcome Trainer::run() {
     const std::filesystem::path adapter = options_.out_dir / "adapter";
     engine_.save_adapter(adapter, options_.base_model_name);
     if (last_checkpoint_step_ != outcome.steps_done) save_checkpoint();
-    err_ << "wrote " << adapter.string() << " (PEFT format) and " << (options_.out_dir / "checkpoint").string() << "\n";
+    err_ << "wrote " << adapter.string() << " (PEFT format) and " << last_checkpoint_path_.string() << "\n";
   }
   return outcome;
 }

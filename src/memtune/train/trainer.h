@@ -29,6 +29,7 @@
 #include <filesystem>
 #include <functional>
 #include <iosfwd>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -36,10 +37,15 @@
 #include "memtune/data/jsonl_dataset.h"
 #include "memtune/data/packing.h"
 #include "memtune/train/engine.h"
+#include "memtune/train/output_dir.h"
+#include "memtune/train/step_health.h"
 
 namespace memtune {
 
 enum class Padding : uint8_t { longest, max_length };  // the tokenizer / collator's padding names
+
+class MetricsLog;
+class ProgressLine;
 
 struct TrainerOptions {
   bool packing = false;         // TRL SFTConfig.packing
@@ -50,8 +56,18 @@ struct TrainerOptions {
   uint64_t data_seed = 42;      // transformers' data_seed (defaults to seed)
   int64_t save_steps = 0;       // checkpoint every N steps (0: at the end only)
   int64_t eval_steps = 0;       // evaluate every N steps (0: at the end only)
-  std::filesystem::path out_dir;      // adapter/ and checkpoint/; empty: nothing is written
-  std::filesystem::path resume_from;  // a checkpoint folder; empty: start at step 0
+  std::filesystem::path out_dir;      // adapter/ and checkpoint-<step>/ (output_dir.h); empty: nothing is written
+  // A checkpoint folder, or an output folder (its newest checkpoint); empty: start at step 0.
+  std::filesystem::path resume_from;
+  bool overwrite_output_dir = false;  // transformers: a fresh run may replace out_dir's previous outputs
+  int64_t save_total_limit = 0;       // transformers: keep the newest N checkpoint folders; 0: all
+  int64_t logging_steps = 1;          // a step line on stdout every N steps (the metrics file gets every step)
+  StepHealthOptions step_health;      // when skipped or vanished steps fail the run (step_health.h)
+  // The base model folder, "" for a seeded random init: checkpoints record it (run_settings.h).
+  std::string base_checkpoint;
+  // Set by a caller that has already locked and prepared out_dir (prepare_output_dir), so that
+  // a bad --out is refused before a model is loaded; else run() does both.
+  std::shared_ptr<OutputDirLock> output_lock;
   std::string base_model_name;        // adapter_config.json's base_model_name_or_path
   std::string train_data_name, eval_data_name;  // for the report; empty: synthetic / none
   std::string metrics_path;           // JSONL of data, step, eval and checkpoint events
@@ -107,8 +123,10 @@ class Trainer {
 
   // Resumes (options.resume_from), trains to max_steps, evaluates and saves. Returns normally
   // when it finished or a signal stopped it (checkpoint written); memtune::Error for a
-  // non-finite loss in fp32/bf16 (nothing saved from that step), a failed save, or a resume
-  // from a checkpoint made with other data.
+  // non-finite loss in fp32/bf16 (nothing saved from that step), too many skipped or vanished
+  // steps (step_health.h; nothing saved from then on), a failed save, an output folder that is
+  // in use or holds another run, or a resume from a checkpoint made with other data or settings
+  // that change the model (run_settings.h).
   TrainOutcome run();
 
   // The micro-batches of the next optimizer step, advancing the data position.
@@ -120,8 +138,13 @@ class Trainer {
 
  private:
   nlohmann::json checkpoint_fields() const;
+  nlohmann::json run_settings() const;
   void restore(const nlohmann::json& state);
   void save_checkpoint();
+  // Which checkpoint a failed run leaves to resume from, for its error message.
+  std::string kept_checkpoint() const;
+  // Too many skipped or vanished steps: logs the failure and throws memtune::Error, saving nothing.
+  [[noreturn]] void fail_for_step_health(MetricsLog& metrics, ProgressLine& progress) const;
   const std::vector<uint32_t>& epoch_order();
   HostMicroBatch micro_batch(const std::vector<const RowLayout*>& rows, const Dataset& data) const;
   // The data-position fields that must agree for a resume (how rows are made and ordered).
@@ -139,7 +162,11 @@ class Trainer {
   DataPosition position_;
   std::vector<uint32_t> order_;
   int64_t order_epoch_ = -1;
-  int64_t last_checkpoint_step_ = -1;
+  int64_t last_checkpoint_step_ = -1;  // this run's last save
+  std::filesystem::path last_checkpoint_path_;
+  int64_t last_checkpoint_untrained_ = 0, last_checkpoint_steps_ = 0;  // step health at that save
+  int64_t resumed_step_ = -1;
+  StepHealth health_;
 };
 
 }  // namespace memtune

@@ -9,7 +9,7 @@
 
 namespace memtune {
 
-void apply_run_yaml(const std::filesystem::path& path, RunConfig& run) {
+std::set<std::string> apply_run_yaml(const std::filesystem::path& path, RunConfig& run) {
   YAML::Node root;
   try {
     root = YAML::LoadFile(path.string());
@@ -18,7 +18,8 @@ void apply_run_yaml(const std::filesystem::path& path, RunConfig& run) {
   } catch (const YAML::Exception& e) {
     mt_fail("{}: not valid YAML: {}", path.string(), e.what());
   }
-  if (root.IsNull()) return;
+  std::set<std::string> keys;
+  if (root.IsNull()) return keys;
   MT_USER_CHECK(root.IsMap(), "{}: expected a mapping of option: value", path.string());
   using Setter = std::function<void(const YAML::Node&)>;
   auto set = [](auto& field) {
@@ -88,11 +89,13 @@ void apply_run_yaml(const std::filesystem::path& path, RunConfig& run) {
     } catch (const YAML::Exception&) {
       mt_fail("{}: option '{}' has a value of the wrong type", path.string(), key);
     }
+    keys.insert(key);
     if (key == "bf16") bf16 = item.second.as<bool>();
     if (key == "fp16") fp16 = item.second.as<bool>();
   }
   MT_USER_CHECK(!(bf16 && fp16), "{}: bf16 and fp16 exclude each other", path.string());
   run.validate();
+  return keys;
 }
 
 }  // namespace memtune

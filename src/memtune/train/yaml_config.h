@@ -3,12 +3,15 @@
 #pragma once
 
 #include <filesystem>
+#include <set>
+#include <string>
 
 #include "memtune/train/run_config.h"
 
 namespace memtune {
 
-// Applies the file's keys to `run`. Unknown keys and wrong types are errors naming the key.
-void apply_run_yaml(const std::filesystem::path& path, RunConfig& run);
+// Applies the file's keys to `run` and returns them (what the user set, as opposed to the
+// defaults). Unknown keys and wrong types are errors naming the key.
+std::set<std::string> apply_run_yaml(const std::filesystem::path& path, RunConfig& run);
 
 }  // namespace memtune
