@@ -36,6 +36,7 @@ LLAMA3_BOS = "<|begin_of_text|>"
 LLAMA3_EOS = "<|eot_id|>"
 # What Unsloth and TRL pad Llama 3.1 with (a reserved token that never appears in text).
 LLAMA3_PAD = "<|finetune_right_pad_id|>"
+LLAMA3_PAD_ID = 128004  # its id; Llama 3.0 tokenizers name it <|reserved_special_token_2|>
 
 
 def version_of(name: str) -> str | None:
@@ -302,7 +303,11 @@ def load_chat_tokenizer(tokenizer_json: str):
                                   eos_token=token_text(cfg.get("eos_token"), LLAMA3_EOS),
                                   chat_template=cfg.get("chat_template") or LLAMA3_CHAT_TEMPLATE)
     tok.chat_template_source = side if cfg.get("chat_template") else "bench/peer_common.py LLAMA3_CHAT_TEMPLATE"
-    pad = tok.convert_tokens_to_ids(LLAMA3_PAD) if LLAMA3_PAD in tok.get_vocab() else None
+    vocab = tok.get_vocab()
+    pad = vocab.get(LLAMA3_PAD)
+    if pad is None and len(tok) > LLAMA3_PAD_ID:  # the same id under its older reserved name
+        name = tok.convert_ids_to_tokens(LLAMA3_PAD_ID)
+        pad = LLAMA3_PAD_ID if isinstance(name, str) and name.startswith("<|reserved_special_token") else None
     tok.peer_pad_id = pad if pad is not None else tok.convert_tokens_to_ids(tok.eos_token)
     return tok
 
@@ -398,7 +403,7 @@ def _row_of(samples: list[dict], indices: list[int]) -> tuple[list[int], list[in
 
 
 def data_batches(samples: list[dict], *, steps: int, accum: int, batch: int, seq: int, packing: bool,
-                 pad_id: int, seed: int) -> list[list[dict]]:
+                 pad_id: int, seed: int, flatten: bool = False) -> list[list[dict]]:
     """steps x accum micro-batches of `batch` rows, each micro-batch padded (right) to its
     longest row, as transformers' DataCollatorForSeq2Seq and TRL's collator pad. Unpacked: a row
     is one sample, with attention_mask. Packed: a row is several whole samples (best-fit
@@ -406,7 +411,12 @@ def data_batches(samples: list[dict], *, steps: int, accum: int, batch: int, seq
     builds a block-diagonal causal mask from the position_ids (masking_utils
     find_packed_sequence_indices), so no sample attends to another; the padding is a segment of
     its own (positions from 0), its labels -100. Rows (or samples) are shuffled with the seed,
-    reshuffled each pass over the data."""
+    reshuffled each pass over the data.
+
+    flatten (with packing): TRL's padding-free layout instead, as Unsloth's own packing collator
+    builds it: the micro-batch's packed rows laid end to end in ONE row [1, total] with no
+    padding at all, position_ids restarting per sample, and "packed_seq_lengths" (int32, one
+    length per sample), from which Unsloth's attention takes the sample boundaries."""
     import torch
 
     units = pack_bfd(samples, seq) if packing else [[i] for i in range(len(samples))]
@@ -422,15 +432,25 @@ def data_batches(samples: list[dict], *, steps: int, accum: int, batch: int, seq
                     order = list(range(len(units)))
                     rng.shuffle(order)
                     cursor = 0
-                rows.append(_row_of(samples, units[order[cursor]]))
+                rows.append(_row_of(samples, units[order[cursor]]) + ([len(samples[i]["input_ids"])
+                                                                     for i in units[order[cursor]]],))
                 cursor += 1
+            if packing and flatten:
+                ids = torch.tensor([sum((r[0] for r in rows), [])], dtype=torch.long)
+                labels = torch.tensor([sum((r[1] for r in rows), [])], dtype=torch.long)
+                pos = torch.tensor([sum((r[2] for r in rows), [])], dtype=torch.long)
+                lengths = torch.tensor(sum((r[3] for r in rows), []), dtype=torch.int32)
+                n = int(ids.shape[1])
+                micro.append({"input_ids": ids, "labels": labels, "position_ids": pos, "packed_seq_lengths": lengths,
+                              "tokens": n, "real_tokens": n, "target_tokens": int((labels[:, 1:] != -100).sum())})
+                continue
             longest = max(len(r[0]) for r in rows)
             ids = torch.full((batch, longest), pad_id, dtype=torch.long)
             labels = torch.full((batch, longest), -100, dtype=torch.long)
             pos = torch.zeros((batch, longest), dtype=torch.long)
             mask = torch.zeros((batch, longest), dtype=torch.long)
             real = 0
-            for b, (i, lab, p) in enumerate(rows):
+            for b, (i, lab, p, _lengths) in enumerate(rows):
                 n = len(i)
                 ids[b, :n] = torch.tensor(i)
                 labels[b, :n] = torch.tensor(lab)
@@ -510,7 +530,8 @@ def train_steps(model, trainable, opt, batches, *, device, autocast_dtype=None, 
         items = sum(mb["target_tokens"] for mb in micro)
         for mb in micro:
             kwargs = {k: mb[k].to(device, non_blocking=True) for k in ("input_ids", "labels", "attention_mask",
-                                                                        "position_ids") if k in mb}
+                                                                        "position_ids", "packed_seq_lengths")
+                      if k in mb}
             # The SDPA backend choice is thread-local state that non-reentrant checkpointing does
             # not record: keep the backward (which recomputes the forward) inside it too.
             with attn():
@@ -585,6 +606,35 @@ def bisect_max_context(probe, lo: int, hi: int, unit: int) -> tuple[int | None, 
         else:
             bad = mid
     return (good * unit if good >= max(1, lo // unit) else None), probes
+
+
+def run_max_context(args, report: dict, probe, model_config) -> dict:
+    """The --max-context mode of either peer: bisection over multiples of --context-unit in
+    [--context-min, --context-max] at batch 1 under --cap-gib, each length in its own child
+    running --probe-steps steps (probe(seq, steps) -> the child's result), then
+    --context-steps timed steps (+1 untimed) at the longest that fitted, in a fresh child."""
+
+    def fits(seq: int) -> dict:
+        result = probe(seq, args.probe_steps)
+        return {"seq": seq, "fits": bool(result.get("measured")), "error": result.get("error"),
+                "peak_reserved_bytes": result.get("peak_reserved_bytes"),
+                "device_peak_bytes": result.get("device_peak_bytes"), "wall_seconds": result.get("wall_seconds")}
+
+    found, probes = bisect_max_context(fits, args.context_min, args.context_max, args.context_unit)
+    mc = {"cap_gib": args.cap_gib, "unit": args.context_unit, "range": [args.context_min, args.context_max],
+          "probe_steps": args.probe_steps, "probes": probes, "max_seq": found,
+          "max_position_embeddings": getattr(model_config, "max_position_embeddings", None),
+          "rule": "longest multiple of unit whose probe ran all its steps (bisection: assumes fitting is monotone "
+                  "in the length); then context_steps timed steps at it in a fresh process"}
+    report["max_context"] = mc
+    if found:
+        run = probe(found, args.context_steps + 1)
+        mc["run"] = {k: run.get(k) for k in ("measured", "error", "tokens_per_second", "step_seconds",
+                                               "device_peak_bytes", "peak_reserved_bytes", "timed_steps")}
+        report["rungs"].append(run)
+    if args.out:
+        write_atomic(args.out, report)
+    return report
 
 
 # ---------------------------------------------------------------------------------------------

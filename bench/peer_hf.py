@@ -24,7 +24,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from peer_common import (TARGET_MODULES, apply_memory_cap, bisect_max_context,  # noqa: E402
+from peer_common import (TARGET_MODULES, apply_memory_cap, run_max_context,  # noqa: E402
                          config_sha16, cuda_context, data_batches, describe_batches, emit_result,
                          load_chat_tokenizer, load_model_config, memory_stats, print_table, read_sft_jsonl,
                          record_failure, run_child, synthetic_batches, train_steps, version_of, write_atomic,
@@ -411,10 +411,7 @@ def context_rung(args, seq: int) -> dict:
     return rung, index
 
 
-def run_max_context(args) -> dict:
-    """Bisection over lengths (multiples of --context-unit) at batch 1 under --cap-gib, one child
-    per length running --probe-steps steps; then --context-steps timed steps (+1 untimed) at the
-    longest that fitted."""
+def run_context_search(args) -> dict:
     report = report_header(args)
     _, index = context_rung(args, args.context_min)
 
@@ -426,24 +423,8 @@ def run_max_context(args) -> dict:
         note_device(report, result, args)
         return result
 
-    def fits(seq: int) -> dict:
-        result = probe(seq, args.probe_steps)
-        return {"seq": seq, "fits": bool(result.get("measured")), "error": result.get("error"),
-                "peak_reserved_bytes": result.get("peak_reserved_bytes"),
-                "device_peak_bytes": result.get("device_peak_bytes"), "wall_seconds": result.get("wall_seconds")}
-
-    found, probes = bisect_max_context(fits, args.context_min, args.context_max, args.context_unit)
-    mc = {"cap_gib": args.cap_gib, "unit": args.context_unit, "range": [args.context_min, args.context_max],
-          "context_rung": args.context_rung, "probe_steps": args.probe_steps, "probes": probes, "max_seq": found,
-          "max_position_embeddings": getattr(load_model_config(args.config), "max_position_embeddings", None)}
-    report["max_context"] = mc
-    if found:
-        run = probe(found, args.context_steps + 1)
-        mc["run"] = {k: run.get(k) for k in ("measured", "error", "tokens_per_second", "step_seconds",
-                                               "device_peak_bytes", "peak_reserved_bytes", "timed_steps")}
-        report["rungs"].append(run)
-    if args.out:
-        write_atomic(args.out, report)
+    report = run_max_context(args, report, probe, load_model_config(args.config))
+    report["max_context"]["context_rung"] = args.context_rung
     return report
 
 
@@ -505,7 +486,7 @@ def main(argv=None) -> int:
         rung = context_rung(args, args.context_seq)[0] if args.context_seq else plan_rungs(args)[args.one_rung]
         emit_result(run_one_rung(args, rung))
         return 0
-    report = run_max_context(args) if args.max_context else run_ladder(args)
+    report = run_context_search(args) if args.max_context else run_ladder(args)
     if args.out:
         write_atomic(args.out, report)
     print_table(report)
