@@ -9,6 +9,17 @@
 #                                                     bitsandbytes wheel, keep only the CUDA build the
 #                                                     device needs (+ the tiny CPU one), repack it as a
 #                                                     valid wheel into .whl/
+#   bash bench/install_peer_wheels.sh --prepare-unsloth
+#                                                     (PyPI) the wheels bench/peer_unsloth.py needs that
+#                                                     the device lacks: unsloth repacked without its
+#                                                     top-level studio/ (a web UI training never imports),
+#                                                     unsloth_zoo, trl, datasets, torchao and the small
+#                                                     pure-Python needs (UNSLOTH_WHEELS below); then the
+#                                                     Requires-Dist check and the total size
+#   bash bench/install_peer_wheels.sh --prepare-liger  (PyPI) liger-kernel (needs only torch + triton)
+#   bash bench/install_peer_wheels.sh --check          each wheel's Requires-Dist against the device's
+#                                                     package list and .whl/ (PEER_DEVICE_PACKAGES: a
+#                                                     file holding KINDS.md's "Packages:" line)
 #
 # Install: `pip install --no-deps --no-index --no-cache-dir` into the running Python's environment
 # (with --break-system-packages where pip knows the flag). If pip refuses (read-only or externally
@@ -17,7 +28,8 @@
 # Set PEER_WHEEL_TARGET to go straight to a --target install.
 #
 # Environment: PYTHON (default python3), PEER_WHEEL_DIR (default <repo>/.whl), PEER_WHEEL_TARGET,
-# BNB_CUDA (the CUDA build to keep with --prepare-bnb, default 130 = CUDA 13.0).
+# BNB_CUDA (the CUDA build to keep with --prepare-bnb, default 130 = CUDA 13.0), UNSLOTH_VERSION
+# (default 2026.10.9: unsloth and unsloth_zoo), LIGER_VERSION (default 0.8.5), PEER_DEVICE_PACKAGES.
 
 _peer_wheels_main() {
   local here repo py dir
@@ -27,7 +39,22 @@ _peer_wheels_main() {
   dir="${PEER_WHEEL_DIR:-$repo/.whl}"
 
   if [ "${1:-}" = "--prepare-bnb" ]; then
-    _peer_prepare_bnb "$py" "$dir" "${2:-0.50.2}" "${BNB_CUDA:-130}"
+    _peer_prepare_bnb "$py" "$dir" "${2:-0.50.2}" "${BNB_CUDA:-130}" || return $?
+    _peer_check "$py" "$dir"
+    return $?
+  fi
+  if [ "${1:-}" = "--prepare-unsloth" ]; then
+    _peer_prepare_unsloth "$py" "$dir" || return $?
+    _peer_check "$py" "$dir"
+    return $?
+  fi
+  if [ "${1:-}" = "--prepare-liger" ]; then
+    _peer_download "$py" "$dir" "liger_kernel==${LIGER_VERSION:-0.8.5}" || return $?
+    _peer_check "$py" "$dir"
+    return $?
+  fi
+  if [ "${1:-}" = "--check" ]; then
+    _peer_check "$py" "$dir"
     return $?
   fi
   if [ $# -gt 0 ]; then
@@ -163,9 +190,174 @@ EOF
   return $rc
 }
 
+# What bench/peer_unsloth.py needs beyond the device's image (KINDS.md lists it: torch, triton,
+# transformers, peft, accelerate, xxhash, einops, ... are there). Pinned: the versions issue 21 ran.
+UNSLOTH_VERSION=${UNSLOTH_VERSION:-2026.10.9}
+UNSLOTH_WHEELS=(
+  "unsloth_zoo==$UNSLOTH_VERSION" trl==1.15.0 datasets==4.8.5 torchao==0.18.0
+  dill==0.4.1 multiprocess==0.70.19                          # datasets
+  tyro==1.0.17 docstring_parser==0.18.0 typeguard==4.6.1     # unsloth, unsloth_zoo (tyro)
+  msgspec==0.23.0 cut_cross_entropy==25.1.1                  # unsloth_zoo
+  json5==0.17.3 structlog==26.1.0 nest_asyncio==1.6.0        # unsloth
+)
+
+# pip download --no-deps of each NAME==VERSION into DIR (cp312, manylinux x86_64 or pure Python);
+# an older file of the same distribution is removed first, so one version of each stays.
+_peer_download() {
+  local py="$1" dir="$2" spec name tmp f
+  shift 2
+  mkdir -p "$dir" || return 1
+  tmp="$(mktemp -d)" || return 1
+  for spec in "$@"; do
+    echo "install_peer_wheels: downloading $spec"
+    if ! "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
+        --platform manylinux2014_x86_64 --platform any -d "$tmp" "$spec"; then
+      echo "install_peer_wheels: pip download $spec failed" >&2
+      rm -rf "$tmp"
+      return 1
+    fi
+  done
+  for f in "$tmp"/*.whl; do
+    name="$(basename "$f" | cut -d- -f1)"
+    rm -f "$dir/$name"-*.whl
+    mv "$f" "$dir/"
+  done
+  rm -rf "$tmp"
+}
+
+_peer_prepare_unsloth() {
+  local py="$1" dir="$2" tmp
+  _peer_download "$py" "$dir" "${UNSLOTH_WHEELS[@]}" || return 1
+  tmp="$(mktemp -d)" || return 1
+  echo "install_peer_wheels: downloading unsloth==$UNSLOTH_VERSION (to repack without studio/)"
+  if ! "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+      --platform any -d "$tmp" "unsloth==$UNSLOTH_VERSION"; then
+    echo "install_peer_wheels: pip download unsloth failed" >&2
+    rm -rf "$tmp"
+    return 1
+  fi
+  "$py" - "$tmp" "$dir" <<'PYEOF'
+# Repack: every entry under the top-level folder studio/ dropped (unsloth's web UI: 82 MB unpacked,
+# never imported by `import unsloth` or training), RECORD rewritten (sha256, size), build tag
+# "1nostudio" added so the file is not mistaken for the original.
+import base64, glob, hashlib, os, sys, zipfile
+src_dir, out_dir = sys.argv[1], sys.argv[2]
+(src,) = glob.glob(os.path.join(src_dir, "unsloth-*.whl"))
+name, version, *rest = os.path.basename(src)[:-4].split("-")
+tags = rest[-3:]
+build = "1nostudio"
+out = os.path.join(out_dir, "-".join([name, version, build, *tags]) + ".whl")
+for old in glob.glob(os.path.join(out_dir, "unsloth-*.whl")):
+    os.remove(old)
+dropped, records = 0, []
+with zipfile.ZipFile(src) as zin:
+    names = zin.namelist()
+    record_name = next(n for n in names if n.endswith(".dist-info/RECORD"))
+    tmp_out = out + ".tmp"
+    with zipfile.ZipFile(tmp_out, "w", zipfile.ZIP_DEFLATED) as zout:
+        for info in zin.infolist():
+            if info.filename == record_name:
+                continue
+            if info.filename.split("/")[0] == "studio":
+                dropped += 1
+                continue
+            data = zin.read(info)
+            if info.filename.endswith(".dist-info/WHEEL"):
+                text = data.decode()
+                if "\nBuild:" not in text:
+                    text = text.rstrip("\n") + f"\nBuild: {build}\n"
+                data = text.encode()
+            if info.filename.endswith(".dist-info/top_level.txt"):
+                data = "".join(l + "\n" for l in data.decode().split() if l != "studio").encode()
+            digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+            records.append(f"{info.filename},sha256={digest},{len(data)}")
+            zi = zipfile.ZipInfo(info.filename, date_time=info.date_time)
+            zi.external_attr = info.external_attr
+            zi.compress_type = zipfile.ZIP_DEFLATED
+            zout.writestr(zi, data)
+        records.append(f"{record_name},,")
+        zout.writestr(record_name, "\n".join(records) + "\n")
+    os.replace(tmp_out, out)
+print(f"install_peer_wheels: wrote {out} ({os.path.getsize(out)} bytes; original {os.path.getsize(src)} bytes; "
+      f"{dropped} studio/ entries dropped)")
+PYEOF
+  local rc=$?
+  rm -rf "$tmp"
+  return $rc
+}
+
+# Each wheel's Requires-Dist (markers evaluated for Linux x86_64, CPython 3.12; extras skipped)
+# against the device's package list and the wheels in DIR; then every file with its size and the
+# total, which counts against the 64 MiB a device call carries.
+_peer_check() {
+  local py="$1" dir="$2"
+  "$py" - "$dir" "${PEER_DEVICE_PACKAGES:-/work/.library/device/KINDS.md}" <<'PYEOF'
+import glob, os, re, sys, zipfile
+wheel_dir, packages_file = sys.argv[1], sys.argv[2]
+norm = lambda n: re.sub(r"[-_.]+", "-", n).lower()
+device = set()
+try:
+    text = open(packages_file).read()
+    m = re.search(r"Packages:\s*(.*?)\.\s*$", text, re.M | re.S)
+    if m:
+        device = {norm(x.strip()) for x in m.group(1).split(",") if x.strip()}
+except OSError:
+    pass
+wheels = sorted(glob.glob(os.path.join(wheel_dir, "*.whl")))
+have = {norm(os.path.basename(w).split("-")[0]) for w in wheels}
+try:
+    from packaging.requirements import Requirement
+except ImportError:
+    try:
+        from pip._vendor.packaging.requirements import Requirement
+    except ImportError:
+        Requirement = None
+env = {"sys_platform": "linux", "platform_machine": "x86_64", "platform_system": "Linux",
+       "python_version": "3.12", "python_full_version": "3.12.3", "implementation_name": "cpython",
+       "platform_python_implementation": "CPython", "os_name": "posix", "extra": ""}
+# Needs that the peers run without (issue 21 ran without them): listed as optional, not missing.
+optional = {"xformers", "hf-transfer", "diffusers", "torchvision", "pydantic", "triton-windows", "mlx", "mlx-lm",
+            "mlx-vlm", "eval-type-backport"}
+missing = {}
+for w in wheels:
+    with zipfile.ZipFile(w) as z:
+        meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+        for line in z.read(meta).decode("utf-8", "replace").splitlines():
+            if not line.startswith("Requires-Dist:"):
+                continue
+            spec = line.split(":", 1)[1].strip()
+            if Requirement:
+                req = Requirement(spec)
+                if req.marker and not req.marker.evaluate(env):
+                    continue
+                name = norm(req.name)
+            else:
+                if "extra ==" in spec:
+                    continue
+                name = norm(re.split(r"[ ;<>=!~\[(]", spec, maxsplit=1)[0])
+            if name not in device and name not in have:
+                missing.setdefault(name, []).append(os.path.basename(w).split("-")[0])
+if not device:
+    print(f"install_peer_wheels: no device package list at {packages_file}: every need not in .whl/ is listed")
+for name, by in sorted(missing.items()):
+    tag = "optional" if name in optional else "MISSING"
+    print(f"  {tag}: {name} (needed by {', '.join(sorted(set(by)))})")
+if device and not any(n not in optional for n in missing):
+    print("install_peer_wheels: every required dependency is on the device or in " + wheel_dir)
+total = 0
+for w in wheels:
+    size = os.path.getsize(w)
+    total += size
+    print(f"  {os.path.basename(w)}  {size / 2**20:.2f} MiB")
+print(f"install_peer_wheels: {len(wheels)} wheels, {total / 2**20:.2f} MiB in all")
+PYEOF
+}
+
 _peer_wheels_main "$@"
 _peer_wheels_rc=$?
-unset -f _peer_wheels_main _peer_prepare_bnb
+unset -f _peer_wheels_main _peer_prepare_bnb _peer_prepare_unsloth _peer_download _peer_check
+unset UNSLOTH_WHEELS
 # Sourced: return to the caller's shell without exiting it; run: exit with the status.
 if [ "${BASH_SOURCE[0]}" != "$0" ]; then
   return "$_peer_wheels_rc"

@@ -4,6 +4,10 @@ PEFT (+ bitsandbytes for QLoRA), so the two can be shown side by side from one d
 
     python3 bench/peer_hf.py --out peer.json                       # Llama-3.1-8B shape on the GPU
     python3 bench/peer_hf.py --device cpu --config configs/models/tiny.json --steps 2 --seq 64
+    python3 bench/peer_hf.py --liger --out peer-liger.json         # + Liger kernels in every rung
+    python3 bench/peer_hf.py --only qlora --data examples/sft-tasks.jsonl --repeat 30 \
+        --tokenizer .devbin/tokenizer.json [--packing]             # real data, padded or packed
+    python3 bench/peer_hf.py --max-context --cap-gib 24            # longest context at batch 1
 
 Each rung runs in a fresh child process (`--one-rung INDEX`, same other arguments) so that its
 peak memory and CUDA context start clean; the parent only reads package versions (it never
@@ -15,15 +19,16 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import hashlib
-import importlib.metadata as _md
-import json
-import math
 import os
-import subprocess
 import sys
 import time
-import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from peer_common import (TARGET_MODULES, apply_memory_cap, run_max_context,  # noqa: E402
+                         config_sha16, cuda_context, data_batches, describe_batches, emit_result,
+                         load_chat_tokenizer, load_model_config, memory_stats, print_table, read_sft_jsonl,
+                         record_failure, run_child, synthetic_batches, train_steps, version_of, write_atomic,
+                         SmiSampler, add_shared_args, check_shared_args)
 
 TRICKS = ["bf16", "gradient_checkpointing", "flash", "qlora", "chunked_loss", "micro_batch", "seq_halved"]
 # The labels memtune's ladder shows (src/memtune/report/ladder.cpp), so rows line up by name too.
@@ -37,12 +42,12 @@ LABELS = {
     "micro_batch": "micro-batch 1 x more accumulation",
     "seq_halved": "max_seq_length halved",
 }
-TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-RESULT_MARK = "@@PEER_RUNG@@ "
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs", "models", "llama-3.1-8b.json")
 NO_CHUNKED_LOSS = ("transformers computes the full logits and upcasts them to fp32 (ForCausalLMLoss); its only "
                    "memory-lean loss path is Trainer(use_liger_kernel=True), which needs the separate liger-kernel "
-                   "package (not used here)")
+                   "package (--liger applies it in every rung)")
+LIGER_NO_CHUNKED = ("--liger: Liger's fused linear cross entropy (logits never materialised, in chunks) is on in "
+                    "every rung, so this rung would repeat the one before it")
 KBIT_PREP = {
     "trl": "TRL SFTTrainer recipe: get_peft_model on the 4-bit model, no prepare_model_for_kbit_training; "
            "embeddings, lm_head and norms stay in the compute dtype; trainable (LoRA) params cast to bf16",
@@ -51,13 +56,6 @@ KBIT_PREP = {
     "none": "get_peft_model only: non-4-bit params stay in the compute dtype; LoRA params fp32 "
             "(PEFT's autocast_adapter_dtype)",
 }
-
-
-def version_of(name: str) -> str | None:
-    try:
-        return _md.version(name)
-    except _md.PackageNotFoundError:
-        return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -98,35 +96,9 @@ def techniques_of(r: dict) -> list[str]:
             f"batch {r['batch']} x accumulation {r['accum']}", f"seq {r['seq']}"]
 
 
-def config_file(path: str) -> str:
-    return os.path.join(path, "config.json") if os.path.isdir(path) else path
-
-
-def load_model_config(path: str):
-    from transformers import CONFIG_MAPPING
-
-    path = config_file(path)
-    with open(path) as f:
-        data = json.load(f)
-    model_type = data.get("model_type")
-    if model_type not in CONFIG_MAPPING:
-        raise SystemExit(f"{path}: model_type {model_type!r} is not a transformers config")
-    data = {k: v for k, v in data.items() if k != "model_type"}
-    return CONFIG_MAPPING[model_type](**data)
-
-
 # ---------------------------------------------------------------------------------------------
 # One rung, in its own process.
 # ---------------------------------------------------------------------------------------------
-def _is_oom(exc: BaseException) -> bool:
-    import torch
-
-    if isinstance(exc, torch.OutOfMemoryError):
-        return True
-    text = str(exc)
-    return isinstance(exc, RuntimeError) and ("out of memory" in text or "CUBLAS_STATUS_ALLOC_FAILED" in text)
-
-
 def _quantize_linears_4bit(model, compute_dtype, device):
     """Replaces every decoder nn.Linear (q,k,v,o,gate,up,down; not lm_head, as transformers'
     bnb quantizer keeps it) with bnb.nn.Linear4bit quantized from its random weight, one at a
@@ -156,6 +128,24 @@ def _quantize_linears_4bit(model, compute_dtype, device):
     return count
 
 
+def rung_base(rung: dict) -> dict:
+    return {"name": rung["name"], "added": rung["added"], "techniques": techniques_of(rung),
+            "micro_batch": rung["batch"], "grad_accum": rung["accum"], "seq": rung["seq"], "measured": False}
+
+
+def apply_liger(settings: dict) -> None:
+    """Liger's kernels patched into transformers' Llama classes before the model is built:
+    RoPE, RMSNorm, SwiGLU and the fused linear cross entropy (the logits are never
+    materialised; training forwards with labels compute the loss in chunks)."""
+    from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+    kwargs = {"rope": True, "rms_norm": True, "swiglu": True, "cross_entropy": False,
+              "fused_linear_cross_entropy": True}
+    apply_liger_kernel_to_llama(**kwargs)
+    settings["liger"] = {"version": version_of("liger-kernel") or version_of("liger_kernel"),
+                         "apply_liger_kernel_to_llama": kwargs}
+
+
 def run_one_rung(args, rung: dict) -> dict:
     import warnings
 
@@ -165,8 +155,7 @@ def run_one_rung(args, rung: dict) -> dict:
     # FutureWarning per call; the old names are the ones 5.17 (the device's) has.
     warnings.filterwarnings("ignore", category=FutureWarning)
 
-    out = {"name": rung["name"], "added": rung["added"], "techniques": techniques_of(rung),
-           "micro_batch": rung["batch"], "grad_accum": rung["accum"], "seq": rung["seq"], "measured": False}
+    out = rung_base(rung)
     settings = {k: rung[k] for k in ("precision", "attention", "checkpointing", "loss", "batch", "accum", "seq")}
     settings["qlora"] = rung["qlora"]
     out["settings"] = settings
@@ -174,20 +163,15 @@ def run_one_rung(args, rung: dict) -> dict:
     device = torch.device(args.device)
 
     if rung["loss"] == "chunked":
-        out["error"] = "no equivalent in transformers"
-        out["note"] = NO_CHUNKED_LOSS
+        out["error"] = "no equivalent in transformers" if not args.liger else "not run: --liger"
+        out["note"] = NO_CHUNKED_LOSS if not args.liger else LIGER_NO_CHUNKED
         return out
     if on_cuda:
         if not torch.cuda.is_available():
             out["error"] = "--device cuda but torch sees no GPU"
             return out
-        torch.cuda.init()
-        torch.zeros(1, device=device)
-        torch.cuda.synchronize()
-        free, total = torch.cuda.mem_get_info()
-        out["context_bytes"] = total - free
-        out["device_total_bytes"] = total
-        out["device_name"] = torch.cuda.get_device_name()
+        cuda_context(out)
+        apply_memory_cap(out, args.cap_gib)
     else:
         out["device_name"] = "cpu"
         torch.set_num_threads(max(1, args.threads or os.cpu_count() or 1))
@@ -214,19 +198,40 @@ def run_one_rung(args, rung: dict) -> dict:
                                   + (", GradScaler" if rung["precision"] == "fp16" else ""))
     attn_impl = "sdpa" if rung["attention"] == "flash" else "eager"
     settings["attn_implementation"] = attn_impl
-    settings["sdpa_backend"] = "FLASH_ATTENTION (forced, forward and backward/recompute)" if attn_impl == "sdpa" else None
+    # Real data has padding or packed samples, hence an attention mask, which SDPA's flash backend
+    # does not take: SDPA then picks its backend itself (memory-efficient, with the mask).
+    force_flash = attn_impl == "sdpa" and not args.data
+    settings["sdpa_backend"] = ("FLASH_ATTENTION (forced, forward and backward/recompute)" if force_flash
+                                else "SDPA's own choice (the batch has an attention mask)" if attn_impl == "sdpa"
+                                else None)
     if rung["qlora"]:
         settings["kbit_prep"] = args.kbit_prep
         settings["kbit_prep_meaning"] = KBIT_PREP[args.kbit_prep]
 
     try:
-        from contextlib import nullcontext
-
         from peft import LoraConfig, get_peft_model
         from transformers import AutoModelForCausalLM
 
+        if args.liger:
+            apply_liger(settings)
+            settings["loss_used"] = "liger fused_linear_cross_entropy"
         cfg = load_model_config(args.config)
+        if args.vocab_size:
+            cfg.vocab_size = args.vocab_size
         cfg.use_cache = False
+        if args.data:
+            tok = load_chat_tokenizer(args.tokenizer)
+            if len(tok) > cfg.vocab_size:
+                raise ValueError(f"the tokenizer has {len(tok)} ids, the model's vocabulary {cfg.vocab_size} "
+                                 f"(pass --vocab-size {len(tok)})")
+            samples, data_stats = read_sft_jsonl(args.data, tok, rung["seq"], args.repeat)
+            batches = data_batches(samples, steps=args.steps, accum=rung["accum"], batch=rung["batch"],
+                                   seq=rung["seq"], packing=args.packing, pad_id=tok.peer_pad_id, seed=args.seed)
+            out["data"] = {**data_stats, "packing": args.packing, "pad_id": tok.peer_pad_id,
+                           "chat_template": tok.chat_template_source, **describe_batches(batches)}
+        else:
+            batches = synthetic_batches(steps=args.steps, accum=rung["accum"], batch=rung["batch"], seq=rung["seq"],
+                                        vocab=cfg.vocab_size, seed=args.seed)
         torch.manual_seed(args.seed)
         t_build = time.perf_counter()
         with torch.device(device):
@@ -273,192 +278,73 @@ def run_one_rung(args, rung: dict) -> dict:
         scaler = None
         if rung["precision"] == "fp16":
             scaler = torch.amp.GradScaler(args.device, init_scale=args.init_scale)
+        sampler = None
         if on_cuda:
             torch.cuda.synchronize()
             out["build_peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
+            sampler = SmiSampler().start()
         out["build_seconds"] = time.perf_counter() - t_build
 
-        # Synthetic data: uniform token ids in [0, vocab), labels = input_ids (HF shifts inside).
-        gen = torch.Generator().manual_seed(args.seed)
-        per_step = rung["batch"] * rung["accum"]
-        data = torch.randint(0, cfg.vocab_size, (args.steps, rung["accum"], rung["batch"], rung["seq"]),
-                             generator=gen, dtype=torch.long)
-
         def attention_ctx():
-            if attn_impl != "sdpa":
+            from contextlib import nullcontext
+
+            if not force_flash:
                 return nullcontext()
             from torch.nn.attention import SDPBackend, sdpa_kernel
 
             return sdpa_kernel(SDPBackend.FLASH_ATTENTION)
 
-        def autocast_ctx():
-            if autocast_dtype is None:
-                return nullcontext()
-            return torch.autocast(device_type=device.type, dtype=autocast_dtype)
-
-        def sync():
-            if on_cuda:
-                torch.cuda.synchronize()
-
-        timed, timed_steps, loss_value, skipped = 0.0, 0, float("nan"), 0
-        for step in range(args.steps):
-            sync()
-            t0 = time.perf_counter()
-            step_loss = 0.0
-            for m in range(rung["accum"]):
-                ids = data[step, m].to(device, non_blocking=True)
-                # The SDPA backend choice is thread-local state that non-reentrant checkpointing does
-                # not record: keep the backward (which recomputes the forward) inside it too.
-                with attention_ctx():
-                    with autocast_ctx():
-                        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-                    step_loss += loss.detach()
-                    loss = loss / rung["accum"]
-                    (scaler.scale(loss) if scaler else loss).backward()
-            if scaler:
-                scaler.unscale_(opt)
-            torch.nn.utils.clip_grad_norm_(trainable, args.max_grad_norm)
-            if scaler:
-                scaler.step(opt)
-                scale_before = scaler.get_scale()
-                scaler.update()
-            else:
-                opt.step()
-            opt.zero_grad(set_to_none=True)
-            sync()
-            seconds = time.perf_counter() - t0
-            if scaler and scaler.get_scale() < scale_before:
-                skipped += 1
-            loss_value = float(step_loss) / rung["accum"]
-            if step > 0 or args.steps == 1:
-                timed += seconds
-                timed_steps += 1
-            print(f"  [{rung['name']}] step {step + 1}/{args.steps} loss {loss_value:.4f} {seconds:.2f} s",
-                  file=sys.stderr, flush=True)
-
+        result = train_steps(model, trainable, opt, batches, device=device, autocast_dtype=autocast_dtype,
+                             attention_ctx=attention_ctx, scaler=scaler, max_grad_norm=args.max_grad_norm,
+                             label=rung["name"], normalise_by_targets=bool(args.data))
+        out.update(result)
         out["measured"] = True
-        out["step_seconds"] = timed / timed_steps
-        out["tokens_per_second"] = per_step * rung["seq"] * timed_steps / timed
-        out["loss"] = loss_value if math.isfinite(loss_value) else str(loss_value)
-        if scaler:
-            out["loss_scaler"] = {"skipped_steps": skipped, "final_scale": float(scaler.get_scale())}
         if on_cuda:
-            _memory_stats(out)
+            memory_stats(out, sampler.stop(), sampler.samples)
     except Exception as exc:  # noqa: BLE001  one rung's failure is its report, not the ladder's end
-        if _is_oom(exc):
-            out["error"] = "CUDA out of memory" if on_cuda else "out of memory"
-        else:
-            out["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
-            traceback.print_exc(file=sys.stderr)
-        out["error_detail"] = str(exc).splitlines()[0][:500] if str(exc) else type(exc).__name__
-        if on_cuda:
-            try:
-                out["peak_allocated_bytes_before_failure"] = torch.cuda.max_memory_allocated()
-                out["peak_reserved_bytes_before_failure"] = torch.cuda.max_memory_reserved()
-            except Exception:  # noqa: BLE001
-                pass
-        out["measured"] = False
+        record_failure(out, exc, on_cuda)
     return out
-
-
-def _memory_stats(out: dict) -> None:
-    import torch
-
-    torch.cuda.synchronize()
-    out["peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
-    out["peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
-    free, total = torch.cuda.mem_get_info()
-    used = total - free
-    # What nvidia-smi would have shown at the peak: in use now (context, library workspaces, the
-    # allocator's pool) less the pool now plus the pool at its largest.
-    out["device_in_use_end_bytes"] = used
-    out["device_peak_bytes"] = used - torch.cuda.memory_reserved() + torch.cuda.max_memory_reserved()
 
 
 # ---------------------------------------------------------------------------------------------
 # The parent: loop the rungs, one child each.
 # ---------------------------------------------------------------------------------------------
-def child_argv(args, index: int) -> list[str]:
-    argv = [sys.executable, os.path.abspath(__file__), "--one-rung", str(index),
-            "--config", args.config, "--device", args.device, "--steps", str(args.steps),
-            "--batch", str(args.batch), "--accum", str(args.accum), "--seq", str(args.seq),
-            "--order", ",".join(args.order), "--seed", str(args.seed), "--lr", repr(args.lr),
-            "--weight-decay", repr(args.weight_decay), "--beta1", repr(args.beta1), "--beta2", repr(args.beta2),
-            "--eps", repr(args.eps), "--max-grad-norm", repr(args.max_grad_norm),
-            "--lora-r", str(args.lora_r), "--lora-alpha", repr(args.lora_alpha),
-            "--lora-dropout", repr(args.lora_dropout), "--init-scale", repr(args.init_scale),
-            "--kbit-prep", args.kbit_prep]
-    if args.threads:
-        argv += ["--threads", str(args.threads)]
-    return argv
+def child_argv(args, index: int, extra: list[str] | None = None) -> list[str]:
+    """The parent's own arguments (the child reads the same configuration), then the rung."""
+    return [sys.executable, os.path.abspath(__file__)] + args.raw_argv + ["--one-rung", str(index)] + (extra or [])
 
 
-def run_child(args, index: int, rung: dict) -> dict:
-    base = {"name": rung["name"], "added": rung["added"], "techniques": techniques_of(rung),
-            "micro_batch": rung["batch"], "grad_accum": rung["accum"], "seq": rung["seq"], "measured": False}
-    t0 = time.perf_counter()
-    try:
-        proc = subprocess.run(child_argv(args, index), stdout=subprocess.PIPE, stderr=None, text=True,
-                              timeout=args.rung_timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    except subprocess.TimeoutExpired:
-        return {**base, "error": f"timed out after {args.rung_timeout} s", "wall_seconds": time.perf_counter() - t0}
-    result = None
-    for line in proc.stdout.splitlines():
-        if line.startswith(RESULT_MARK):
-            result = json.loads(line[len(RESULT_MARK):])
-        elif line.strip():
-            print(line, file=sys.stderr)
-    if result is None:
-        why = "killed by signal %d" % -proc.returncode if proc.returncode < 0 else f"exit code {proc.returncode}"
-        result = {**base, "error": f"rung process died ({why}) without a result"}
-    result["wall_seconds"] = time.perf_counter() - t0
-    return result
+def tool_name(args) -> str:
+    return "transformers+peft+bnb" + ("+liger" if args.liger else "")
 
 
-def gib(x) -> str:
-    return "-" if x is None else f"{x / 2**30:.2f}"
-
-
-def print_table(report: dict) -> None:
-    rows = [("rung", "ok", "tok/s", "step s", "loss", "alloc GiB", "resv GiB", "device GiB", "note")]
-    for r in report["rungs"]:
-        loss = r.get("loss")
-        rows.append((r["name"], "yes" if r.get("measured") else "no",
-                     f"{r['tokens_per_second']:.0f}" if r.get("tokens_per_second") else "-",
-                     f"{r['step_seconds']:.3f}" if r.get("step_seconds") else "-",
-                     f"{loss:.4f}" if isinstance(loss, float) else str(loss or "-"),
-                     gib(r.get("peak_allocated_bytes")), gib(r.get("peak_reserved_bytes")),
-                     gib(r.get("device_peak_bytes")),
-                     r.get("error", "") + (f" scaler skipped {r['loss_scaler']['skipped_steps']}, scale "
-                                           f"{r['loss_scaler']['final_scale']:g}" if r.get("loss_scaler") else "")))
-    widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
-    print(f"peer: {report['peer']} | device: {report['device']}")
-    for k, row in enumerate(rows):
-        print("  ".join(str(c).ljust(w) if i in (0, 8) else str(c).rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
-        if k == 0:
-            print("  ".join("-" * w for w in widths))
-
-
-def write_atomic(path: str, report: dict) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(report, f, indent=1, sort_keys=False)
-        f.write("\n")
-    os.replace(tmp, path)
-
-
-def run_ladder(args) -> dict:
-    rungs = plan_rungs(args)
+def peer_versions(args) -> str:
     bnb = version_of("bitsandbytes")
-    peer = (f"transformers {version_of('transformers')}, peft {version_of('peft')}, torch {version_of('torch')}, "
+    text = (f"transformers {version_of('transformers')}, peft {version_of('peft')}, torch {version_of('torch')}, "
             f"bitsandbytes {bnb or 'none'}")
-    with open(config_file(args.config), "rb") as f:
-        config_sha = hashlib.sha256(f.read()).hexdigest()[:16]
+    if args.liger:
+        text += f", liger-kernel {version_of('liger-kernel') or version_of('liger_kernel') or 'none'}"
+    return text
+
+
+def data_description(args) -> str:
+    if not args.data:
+        return "uniform random token ids in [0, vocab), labels = input_ids, no attention mask, no padding"
+    return (f"{args.data} x {args.repeat} through {args.tokenizer} (Llama 3 chat template, assistant-only labels), "
+            f"shuffled (seed {args.seed}), " +
+            ("packed best-fit decreasing into rows of max_seq_length, position_ids restarting per sample, "
+             "block-diagonal causal mask from them (transformers masking_utils), micro-batches padded to the "
+             "longest row" if args.packing else
+             "one sample a row, each micro-batch right-padded to its longest row (DataCollatorForSeq2Seq), "
+             "attention_mask"))
+
+
+def report_header(args) -> dict:
     config = {
-        "model": os.path.relpath(os.path.abspath(args.config)), "model_config_sha256_16": config_sha,
+        "model": os.path.relpath(os.path.abspath(args.config)), "model_config_sha256_16": config_sha16(args.config),
+        "vocab_size_override": args.vocab_size or None,
         "device": args.device, "precision": "fp16", "attn_implementation": "eager",
         "gradient_checkpointing": False, "loss_implementation": "full",
         "per_device_train_batch_size": args.batch, "gradient_accumulation_steps": args.accum,
@@ -473,30 +359,72 @@ def run_ladder(args) -> dict:
                   "kbit_prep_meaning": KBIT_PREP[args.kbit_prep],
                   "weights": "random bf16 model built on the device, each decoder nn.Linear replaced by "
                              "bnb.nn.Linear4bit quantized from it (lm_head, embeddings, norms not quantized)"},
-        "chunked_loss": NO_CHUNKED_LOSS,
-        "data": "uniform random token ids in [0, vocab), labels = input_ids, no attention mask, no padding",
+        "liger": args.liger,
+        "chunked_loss": NO_CHUNKED_LOSS if not args.liger else LIGER_NO_CHUNKED,
+        "data": data_description(args),
+        "packing": args.packing if args.data else None,
+        "memory_cap_gib": args.cap_gib or None,
         "timing": "optimizer steps after the first; torch.cuda.synchronize() around each",
-        "command": [os.path.relpath(os.path.abspath(__file__))] + sys.argv[1:],
+        "tokens_per_second": "padded tokens (batch x the micro-batch's row length, summed) per second; "
+                             "real_tokens_per_second: non-padding tokens; target_tokens_per_second: trained targets",
+        "command": [os.path.relpath(os.path.abspath(__file__))] + args.raw_argv,
     }
-    report = {"peer": peer, "device": "cpu" if args.device == "cpu" else "cuda (name from the first rung)",
-              "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-              "config": config, "rungs": []}
+    return {"peer": peer_versions(args), "tool": tool_name(args),
+            "device": "cpu" if args.device == "cpu" else "cuda (name from the first rung)",
+            "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "config": config, "rungs": []}
+
+
+def note_device(report: dict, result: dict, args) -> None:
+    if result.get("device_name") and args.device == "cuda":
+        report["device"] = result["device_name"]
+    if "context_bytes" in result and "device_context_bytes" not in report:
+        report["device_context_bytes"] = result["context_bytes"]
+
+
+def run_ladder(args) -> dict:
+    rungs = plan_rungs(args)
+    report = report_header(args)
     for index, rung in enumerate(rungs):
         key = rung["added"] or "baseline"
         if args.only and key not in args.only:
-            report["rungs"].append({"name": rung["name"], "added": rung["added"], "techniques": techniques_of(rung),
-                                    "micro_batch": rung["batch"], "grad_accum": rung["accum"], "seq": rung["seq"],
-                                    "measured": False, "error": "not run (--only)"})
+            report["rungs"].append({**rung_base(rung), "error": "not run (--only)"})
             continue
         print(f"peer_hf: rung {index + 1}/{len(rungs)}: {rung['name']}", file=sys.stderr, flush=True)
-        result = run_child(args, index, rung)
+        result = run_child(child_argv(args, index), args.rung_timeout, rung_base(rung))
         report["rungs"].append(result)
-        if result.get("device_name") and args.device == "cuda":
-            report["device"] = result["device_name"]
-        if "context_bytes" in result and "device_context_bytes" not in report:
-            report["device_context_bytes"] = result["context_bytes"]
+        note_device(report, result, args)
         if args.out:  # keep what is measured so far, should a later rung take the machine down
             write_atomic(args.out, report)
+    return report
+
+
+def context_rung(args, seq: int) -> dict:
+    rungs = plan_rungs(args)
+    keys = [r["added"] or "baseline" for r in rungs]
+    if args.context_rung not in keys:
+        raise SystemExit(f"--context-rung {args.context_rung}: not a rung of --order ({','.join(keys)})")
+    index = keys.index(args.context_rung)
+    rung = dict(rungs[index], batch=1, accum=1, seq=seq)
+    rung["name"] = f"max context ({rung['name']}), batch 1, seq {seq}"
+    rung["added"] = "max_context"
+    return rung, index
+
+
+def run_context_search(args) -> dict:
+    report = report_header(args)
+    _, index = context_rung(args, args.context_min)
+
+    def probe(seq: int, steps: int) -> dict:
+        rung, _ = context_rung(args, seq)
+        print(f"peer_hf: max-context probe seq {seq} ({steps} steps)", file=sys.stderr, flush=True)
+        result = run_child(child_argv(args, index, ["--context-seq", str(seq), "--steps", str(steps)]),
+                           args.probe_timeout, rung_base(rung))
+        note_device(report, result, args)
+        return result
+
+    report = run_max_context(args, report, probe, load_model_config(args.config))
+    report["max_context"]["context_rung"] = args.context_rung
     return report
 
 
@@ -529,9 +457,16 @@ def parse_args(argv=None):
                         "; ".join(f"{k}: {v}" for k, v in KBIT_PREP.items()))
     p.add_argument("--rung-timeout", type=float, default=1800, help="seconds before a rung's process is killed")
     p.add_argument("--threads", type=int, default=0, help="CPU threads for --device cpu (0: all)")
+    p.add_argument("--liger", action="store_true", help="apply liger_kernel.transformers.apply_liger_kernel_to_llama "
+                   "(rope, rms_norm, swiglu, fused_linear_cross_entropy) in every rung")
+    p.add_argument("--context-rung", default="qlora", help="--max-context: the rung whose techniques it runs at batch 1")
     p.add_argument("--out", default="", help="write the ladder JSON here (atomically)")
     p.add_argument("--one-rung", type=int, default=None, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
+    add_shared_args(p)
+    raw = list(sys.argv[1:] if argv is None else argv)
+    args = p.parse_args(raw)
+    args.raw_argv = raw
+    check_shared_args(p, args)
     args.order = [t for t in args.order.split(",") if t]
     for t in args.order:
         if t not in TRICKS:
@@ -548,12 +483,10 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.one_rung is not None:
-        rungs = plan_rungs(args)
-        result = run_one_rung(args, rungs[args.one_rung])
-        sys.stdout.write(RESULT_MARK + json.dumps(result) + "\n")
-        sys.stdout.flush()
+        rung = context_rung(args, args.context_seq)[0] if args.context_seq else plan_rungs(args)[args.one_rung]
+        emit_result(run_one_rung(args, rung))
         return 0
-    report = run_ladder(args)
+    report = run_context_search(args) if args.max_context else run_ladder(args)
     if args.out:
         write_atomic(args.out, report)
     print_table(report)

@@ -20,9 +20,34 @@
 #                  --offload_activations --offload_embeddings under --vram 24GiB for LONG_STEPS
 #                  (default 3) steps, device peak sampled by nvidia-smi, host memory from the
 #                  plan and the process's max RSS; then `memtune fit --max-context` for 24 and 80 GiB
+#       unsloth    bench/peer_unsloth.py (issue 21): the ladder's 16-bit LoRA (flash) and QLoRA rungs
+#                  at its shape (configurations 3 and 1), random ids; writes the random-weight 8B folder
+#                  first (UNSLOTH_MODEL_DIR, outside $WORK; reused by the other unsloth parts)
+#       unsloth-data  Unsloth's benchmark shape (configuration 2): QLoRA, batch 2 x accumulation 4, r32,
+#                  examples/sft-tasks.jsonl x DATA_REPEAT (30) through the Llama 3 tokenizer, padded to
+#                  the longest row as Unsloth pads (UNSLOTH_DATA_PACKING=1: packed too)
+#       unsloth-context  the longest trainable context at batch 1, QLoRA, under each cap of CONTEXT_CAPS
+#                  (default "24 80" GiB; torch.cuda.set_per_process_memory_fraction), bisection over
+#                  multiples of CONTEXT_UNIT in [CONTEXT_MIN, CONTEXT_MAX], then 2 timed steps
+#       liger      bench/peer_hf.py --liger on the ladder's rungs (transformers + PEFT + bnb + Liger)
+#       peer-data  bench/peer_hf.py, QLoRA full stack, 2 x 2048, accumulation 2, on sft-tasks.jsonl x
+#                  DATA_REPEAT with the Llama 3 tokenizer, unpacked (padded to the longest row) and
+#                  packed; then memtune on the same data (placeholder: memtune_peer_data below)
+#       peer-context  bench/peer_hf.py --max-context (QLoRA rung at batch 1) under each cap of CONTEXT_CAPS
+#   The unsloth, unsloth-data, unsloth-context, liger, peer-data and peer-context parts are
+#   independent of each other and of the others: each installs the wheels in .whl/ it needs
+#   (carry .whl; bench/install_peer_wheels.sh --prepare-bnb --prepare-unsloth --prepare-liger).
+#   A device call has ~9 minutes: run them in separate calls (see bench/README.md for the lines).
 #
 # Environment: LADDER_ARGS (extra memtune ladder options), PEER_ARGS (extra peer options),
-# TEST_TIMEOUT (seconds, default 300). The last lines printed are a summary per part.
+# TEST_TIMEOUT (seconds, default 300); for the peer parts: UNSLOTH_STEPS (default 4), UNSLOTH_TIMEOUT
+# (per part, 480), UNSLOTH_ARGS, UNSLOTH_MODEL_DIR (/tmp/peer-unsloth-model), LIGER_STEPS (3),
+# LIGER_TIMEOUT (480), LIGER_ARGS, DATA_STEPS (6), DATA_REPEAT (30), DATA_TIMEOUT (per run, 240),
+# TOKENIZER (default BIN_DIR/tokenizer.json, which prepare-devbin copies unless DEVBIN_SLIM=1, else
+# BIN_DIR/tokenizer.json.gz),
+# CONTEXT_CAPS ("24 80"), CONTEXT_MIN (16384), CONTEXT_MAX (131072), CONTEXT_UNIT (8192),
+# CONTEXT_TIMEOUT (per cap, 540), PROBE_TIMEOUT (per probe, 240). The last lines printed are a
+# summary per part.
 set -u
 BIN_DIR=${1:-build}
 PARTS=${2:-tests,sanitizer,ladder,peer}
@@ -50,6 +75,63 @@ echo "${MEMTUNE_COMMIT:-unknown}" > "$WORK/commit.txt"; echo "binaries from comm
 # The ladder's shape, shared with the peer so that both run the same configuration.
 MODEL_ARGS="--model llama-3.1-8b --batch 2 --accum ${LADDER_ACCUM:-2} --seq 2048 --lora_r 16 --lora_alpha 16 --lora_target_modules all-linear"
 STEPS=${LADDER_STEPS:-3}
+
+# ---- helpers of the peer parts (peer, unsloth*, liger, peer-data, peer-context) ----
+PEER_WHEELS_DONE=0
+install_peer_wheels_once() {
+  [ "$PEER_WHEELS_DONE" = 1 ] && return 0
+  set --
+  source "$ROOT/bench/install_peer_wheels.sh" > "$WORK/peer_install.log" 2>&1 || true
+  tail -3 "$WORK/peer_install.log"
+  PEER_WHEELS_DONE=1
+}
+TOKENIZER=${TOKENIZER:-$BIN_DIR/tokenizer.json}
+[ -f "$TOKENIZER" ] || [ ! -f "$BIN_DIR/tokenizer.json.gz" ] || TOKENIZER="$BIN_DIR/tokenizer.json.gz"
+[ -f "$TOKENIZER" ] || TOKENIZER="$ROOT/../shared/data/llama3-tokenizer/tokenizer.json"
+# A gzipped tokenizer.json (2.2 MiB instead of 8.7: `gzip -9 -k .devbin/tokenizer.json` and drop the
+# plain one, to keep a call's carry under 64 MiB) is unpacked to /tmp first.
+if [[ "$TOKENIZER" == *.gz ]] && [ -f "$TOKENIZER" ]; then
+  mkdir -p /tmp/peer-tokenizer && gunzip -c "$TOKENIZER" > /tmp/peer-tokenizer/tokenizer.json \
+    && TOKENIZER=/tmp/peer-tokenizer/tokenizer.json
+fi
+# peer_unsloth.py's model folder gets the real tokenizer where there is one, else a made-up one.
+UNSLOTH_TOKENIZER=(); [ -f "$TOKENIZER" ] && UNSLOTH_TOKENIZER=(--tokenizer "$TOKENIZER")
+DATA_REPEAT=${DATA_REPEAT:-30}
+UNSLOTH_MODEL_DIR=${UNSLOTH_MODEL_DIR:-/tmp/peer-unsloth-model}   # 16 GB: never under $WORK (tarred)
+export UNSLOTH_COMPILE_LOCATION=${UNSLOTH_COMPILE_LOCATION:-/tmp/peer-unsloth-compiled}
+CONTEXT_CAPS=${CONTEXT_CAPS:-24 80}
+CONTEXT_ARGS="--context-min ${CONTEXT_MIN:-16384} --context-max ${CONTEXT_MAX:-131072} --context-unit ${CONTEXT_UNIT:-8192} --probe-timeout ${PROBE_TIMEOUT:-240} --context-steps 2"
+# The ladder's shape and optimizer, as the peer part passes them.
+PEER_SHAPE="--config $ROOT/configs/models/llama-3.1-8b.json --lr 2e-4 --weight-decay 0 --max-grad-norm 1.0 --lora-r 16 --lora-alpha 16"
+# One summary line per measured rung of a peer JSON: tokens/s (real and target where data), peaks.
+peer_summary() {
+  python3 - "$1" "$2" <<'EOF'
+import json, sys
+path, label = sys.argv[1], sys.argv[2]
+try:
+    report = json.load(open(path))
+except (OSError, ValueError) as exc:
+    print(f"{label}: no result ({exc})"); sys.exit(0)
+g = lambda b: "-" if b is None else f"{b / 2**30:.2f} GiB"
+for r in report.get("rungs", []):
+    if r.get("error", "").startswith(("not run", "no Unsloth equivalent", "no equivalent")):
+        continue
+    if not r.get("measured"):
+        print(f"{label} [{r['name']}]: not measured: {r.get('error')}"); continue
+    extra = (f", real {r['real_tokens_per_second']:.0f}, targets {r['target_tokens_per_second']:.0f}"
+             if r.get("data") else "")
+    print(f"{label} [{r['name']}]: {r['tokens_per_second']:.0f} tok/s{extra}; device peak {g(r.get('device_peak_bytes'))}"
+          f" (nvidia-smi {g(r.get('nvidia_smi_peak_bytes'))}, torch reserved {g(r.get('peak_reserved_bytes'))})")
+mc = report.get("max_context")
+if mc:
+    probes = ", ".join(f"{p['seq']}:{'ok' if p['fits'] else (p.get('error') or 'no')}" for p in mc["probes"])
+    run = mc.get("run") or {}
+    print(f"{label} max context at {mc['cap_gib']:g} GiB: {mc.get('max_seq')} tokens"
+          + (f", {run['tokens_per_second']:.0f} tok/s" if run.get("tokens_per_second") else "")
+          + f"; probes {probes}")
+print(f"{label}: {report.get('peer')}")
+EOF
+}
 
 if has_part tests; then
   stamp tests
@@ -111,11 +193,9 @@ if has_part peer; then
   stamp peer
   # Sourced: where pip refuses a system install it installs to a folder and exports PYTHONPATH.
   # (with no positional arguments: the installer reads its own)
-  set --
-  source "$ROOT/bench/install_peer_wheels.sh" > "$WORK/peer_install.log" 2>&1 || true
+  install_peer_wheels_once
   timeout 120 python3 "$ROOT/bench/attention_peer.py" > "$WORK/attention_peer.log" 2>&1
   echo "attention_peer.py exit code: $?"; cat "$WORK/attention_peer.log"
-  tail -3 "$WORK/peer_install.log"
   timeout "${PEER_TIMEOUT:-540}" python3 "$ROOT/bench/peer_hf.py" --config "$ROOT/configs/models/llama-3.1-8b.json" \
     --batch 2 --accum "${LADDER_ACCUM:-2}" --seq 2048 --steps "$STEPS" --lr 2e-4 --weight-decay 0 --max-grad-norm 1.0 --lora-r 16 --lora-alpha 16 \
     --out "$WORK/peer.json" \
@@ -192,6 +272,145 @@ if has_part longctx; then
   [ $rc -ne 0 ] && status=1
   grep -E "peak|host|step +[0-9]+|tokens/s|error|Maximum resident" "$L/train.log" | tail -20
   rm -rf "$L/out"
+fi
+
+# ---- the peers of issue 21 / issue 22: Unsloth, Liger, real data, longest context ----
+if has_part unsloth; then
+  stamp unsloth
+  install_peer_wheels_once
+  # Configurations 3 (16-bit LoRA: the flash rung) and 1 (the QLoRA rung), random ids.
+  timeout "${UNSLOTH_TIMEOUT:-480}" python3 "$ROOT/bench/peer_unsloth.py" $PEER_SHAPE --batch 2 \
+    --accum "${LADDER_ACCUM:-2}" --seq 2048 --steps "${UNSLOTH_STEPS:-4}" --only flash,qlora \
+    --model-dir "$UNSLOTH_MODEL_DIR" "${UNSLOTH_TOKENIZER[@]}" --out "$WORK/unsloth.json" ${UNSLOTH_ARGS:-} \
+    > "$WORK/unsloth.log" 2>&1
+  rc=$?
+  echo "peer_unsloth.py exit code: $rc (124: timed out)"
+  [ $rc -ne 0 ] && status=1
+  tail -c 2500 "$WORK/unsloth.log"
+  peer_summary "$WORK/unsloth.json" unsloth
+fi
+
+if has_part unsloth-data; then
+  stamp unsloth-data
+  install_peer_wheels_once
+  packs=("")
+  [ "${UNSLOTH_DATA_PACKING:-0}" = 1 ] && packs+=("--packing")
+  for pk in "${packs[@]}"; do
+    name=unsloth-data${pk:+-packed}
+    timeout "${UNSLOTH_TIMEOUT:-480}" python3 "$ROOT/bench/peer_unsloth.py" \
+      --config "$ROOT/configs/models/llama-3.1-8b.json" --lr 2e-4 --weight-decay 0 --lora-r 32 --lora-alpha 32 \
+      --batch 2 --accum 4 --seq 2048 --steps "${UNSLOTH_STEPS:-4}" --only qlora --data "$ROOT/examples/sft-tasks.jsonl" \
+      --repeat "$DATA_REPEAT" --tokenizer "$TOKENIZER" $pk --model-dir "$UNSLOTH_MODEL_DIR" \
+      --out "$WORK/$name.json" ${UNSLOTH_ARGS:-} > "$WORK/$name.log" 2>&1
+    rc=$?
+    echo "peer_unsloth.py $name exit code: $rc (124: timed out)"
+    [ $rc -ne 0 ] && status=1
+    tail -c 1500 "$WORK/$name.log"
+    peer_summary "$WORK/$name.json" "$name"
+  done
+fi
+
+if has_part unsloth-context; then
+  stamp unsloth-context
+  install_peer_wheels_once
+  for cap in $CONTEXT_CAPS; do
+    timeout "${CONTEXT_TIMEOUT:-540}" python3 "$ROOT/bench/peer_unsloth.py" $PEER_SHAPE --only qlora \
+      --max-context --cap-gib "$cap" $CONTEXT_ARGS --model-dir "$UNSLOTH_MODEL_DIR" "${UNSLOTH_TOKENIZER[@]}" \
+      --out "$WORK/unsloth-context-$cap.json" ${UNSLOTH_ARGS:-} > "$WORK/unsloth-context-$cap.log" 2>&1
+    rc=$?
+    echo "peer_unsloth.py --max-context --cap-gib $cap exit code: $rc (124: timed out)"
+    [ $rc -ne 0 ] && status=1
+    tail -c 1500 "$WORK/unsloth-context-$cap.log"
+    peer_summary "$WORK/unsloth-context-$cap.json" "unsloth-context-$cap"
+  done
+fi
+
+if has_part liger; then
+  stamp liger
+  install_peer_wheels_once
+  timeout "${LIGER_TIMEOUT:-480}" python3 "$ROOT/bench/peer_hf.py" $PEER_SHAPE --liger --batch 2 \
+    --accum "${LADDER_ACCUM:-2}" --seq 2048 --steps "${LIGER_STEPS:-3}" --out "$WORK/peer-liger.json" \
+    ${LIGER_ARGS:-} > "$WORK/peer-liger.log" 2>&1
+  rc=$?
+  echo "peer_hf.py --liger exit code: $rc (124: timed out)"
+  [ $rc -ne 0 ] && status=1
+  tail -c 3000 "$WORK/peer-liger.log"
+  peer_summary "$WORK/peer-liger.json" liger
+fi
+
+# ---- PLACEHOLDER (memtune side of peer-data; another engineer fills it in) ----
+# memtune on the same data as the peer-data part: Llama-3.1-8B architecture, QLoRA full stack,
+# 2 x 2048, accumulation 2, examples/sft-tasks.jsonl repeated DATA_REPEAT times (memtune has no
+# --repeat: the file is concatenated), the Llama 3 tokenizer; default (unpacked) and --packing,
+# metrics JSONL per run. What to compare with the peer (real tokens/s, trained targets/s) is for
+# whoever finishes this once memtune's metrics report them (issue 22).
+memtune_peer_data() {
+  local D="$WORK/peer-data" data="$WORK/peer-data/sft-tasks-x$DATA_REPEAT.jsonl" i name args
+  mkdir -p "$D"
+  : > "$data"; for i in $(seq "$DATA_REPEAT"); do cat "$ROOT/examples/sft-tasks.jsonl" >> "$data"; done
+  for variant in "memtune-unpacked|" "memtune-packed|--packing"; do
+    name=${variant%%|*}; args=${variant#*|}
+    nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 100 > "$D/$name.smi" 2>&1 &
+    local sampler=$!
+    timeout "${DATA_TIMEOUT:-240}" "$BIN_DIR/memtune" train --device cuda --model llama-3.1-8b \
+      --load_in_4bit --bf16 --gradient_checkpointing --attn_implementation auto --loss_implementation chunked \
+      --batch 2 --accum 2 --seq 2048 --lora_r 16 --lora_alpha 16 --max_steps "${DATA_STEPS:-6}" --quiet \
+      --data "$data" --tokenizer "$TOKENIZER" $args --metrics "$D/$name.jsonl" --out "$D/out" \
+      > "$D/$name.log" 2>&1
+    local rc=$?
+    kill $sampler 2>/dev/null; wait $sampler 2>/dev/null
+    echo "$name exit $rc; device peak $(sort -n "$D/$name.smi" | tail -1) MiB; metrics $D/$name.jsonl (placeholder: not summarised)"
+    [ $rc -ne 0 ] && status=1
+    rm -rf "$D/out"
+  done
+  rm -f "$data"
+}
+# ---- end PLACEHOLDER ----
+
+if has_part peer-data; then
+  stamp peer-data
+  install_peer_wheels_once
+  if [ ! -f "$TOKENIZER" ]; then
+    echo "peer-data: no Llama 3 tokenizer.json at $TOKENIZER (prepare-devbin copies it unless DEVBIN_SLIM=1): skipped"
+    status=1
+  else
+    mkdir -p "$WORK/peer-data"
+    for pk in "" "--packing"; do
+      name=peer-data${pk:+-packed}
+      timeout "${DATA_TIMEOUT:-240}" python3 "$ROOT/bench/peer_hf.py" $PEER_SHAPE --only qlora --batch 2 \
+        --accum 2 --seq 2048 --steps "${DATA_STEPS:-6}" --data "$ROOT/examples/sft-tasks.jsonl" \
+        --repeat "$DATA_REPEAT" --tokenizer "$TOKENIZER" $pk --out "$WORK/peer-data/$name.json" ${PEER_ARGS:-} \
+        > "$WORK/peer-data/$name.log" 2>&1
+      rc=$?
+      echo "peer_hf.py $name exit code: $rc (124: timed out)"
+      [ $rc -ne 0 ] && status=1
+      peer_summary "$WORK/peer-data/$name.json" "$name"
+    done
+    [ "${PEER_DATA_MEMTUNE:-1}" = 1 ] && memtune_peer_data
+  fi
+fi
+
+if has_part peer-context; then
+  stamp peer-context
+  install_peer_wheels_once
+  for cap in $CONTEXT_CAPS; do
+    timeout "${CONTEXT_TIMEOUT:-540}" python3 "$ROOT/bench/peer_hf.py" $PEER_SHAPE --max-context --cap-gib "$cap" \
+      $CONTEXT_ARGS --out "$WORK/peer-context-$cap.json" ${PEER_ARGS:-} > "$WORK/peer-context-$cap.log" 2>&1
+    rc=$?
+    echo "peer_hf.py --max-context --cap-gib $cap exit code: $rc (124: timed out)"
+    [ $rc -ne 0 ] && status=1
+    peer_summary "$WORK/peer-context-$cap.json" "peer-context-$cap"
+  done
+fi
+
+# Every peer JSON of this call beside the ladder, where there is one (memtune report, several --peer).
+if [ -f "$WORK/ladder/ladder.json" ]; then
+  peers=()
+  for f in "$WORK/peer.json" "$WORK/peer-liger.json" "$WORK/unsloth.json"; do [ -f "$f" ] && peers+=(--peer "$f"); done
+  if [ ${#peers[@]} -gt 2 ]; then
+    "$BIN_DIR/memtune" report --ladder "$WORK/ladder/ladder.json" "${peers[@]}" --out "$WORK/ladder-peers" \
+      > "$WORK/report-peers.log" 2>&1 && tail -c 4000 "$WORK/report-peers.log"
+  fi
 fi
 
 stamp done

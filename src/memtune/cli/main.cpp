@@ -363,7 +363,8 @@ int run_cli(int argc, char** argv) {
   int64_t save_steps = 0, eval_steps = 0, ladder_steps = 3;
   std::string order;
   // The ladder, sweep and report commands; --metrics is train's too.
-  std::string metrics_path, peer_path, ladder_path, vary, sweep_values, sweep_attention = "eager,flash";
+  std::vector<std::string> peer_paths;  // --peer, repeatable: each peer beside memtune
+  std::string metrics_path, ladder_path, vary, sweep_values, sweep_attention = "eager,flash";
   bool isolate = false, plan_only = false, profile = false;
   int64_t sweep_steps = 2;
 
@@ -454,7 +455,7 @@ int run_cli(int argc, char** argv) {
   ladder_cmd->add_flag("--quiet", quiet, "no progress line on stderr");
   ladder_cmd->add_flag("--isolate", isolate, "also run each trick alone from the baseline, and the full stack without each");
   ladder_cmd->add_flag("--profile", profile, "after each rung's steps, time every op of one more step: a per-op table (stdout) and op_profile in ladder.json");
-  ladder_cmd->add_option("--peer", peer_path, "peer.json from bench/peer_hf.py: its figures beside memtune's");
+  ladder_cmd->add_option("--peer", peer_paths, "peer JSON from bench/peer_hf.py or bench/peer_unsloth.py: its figures beside memtune's (repeatable)");
   ladder_cmd->add_option("--metrics", metrics_path, "append one JSON line per step and per rung to this .jsonl file");
 
   CLI::App* sweep_cmd = app.add_subcommand(
@@ -474,7 +475,7 @@ int run_cli(int argc, char** argv) {
   CLI::App* report_cmd = app.add_subcommand(
       "report", "re-render report.md, ladder.csv, ladder.svg (and the table) from a saved ladder.json");
   report_cmd->add_option("--ladder", ladder_path, "ladder.json written by memtune ladder")->required();
-  report_cmd->add_option("--peer", peer_path, "peer.json from bench/peer_hf.py: attached (replacing any peer already there)");
+  report_cmd->add_option("--peer", peer_paths, "peer JSON from bench/peer_hf.py or bench/peer_unsloth.py: attached, replacing any peers already there (repeatable: each beside memtune)");
   report_cmd->add_option("--out", out_dir, "output folder (default: the ladder.json's folder)");
 
   // ---- merge, generate, logits (their own options: no run flags) ----
@@ -542,7 +543,11 @@ int run_cli(int argc, char** argv) {
 
   if (report_cmd->parsed()) {
     nlohmann::json ladder = read_json_file(ladder_path);
-    if (!peer_path.empty()) ladder = attach_peer(ladder, read_json_file(peer_path), peer_path);
+    if (!peer_paths.empty()) {
+      std::vector<std::pair<nlohmann::json, std::string>> peers;
+      for (const std::string& path : peer_paths) peers.emplace_back(read_json_file(path), path);
+      ladder = attach_peers(ladder, peers);
+    }
     std::filesystem::path out = out_dir.empty() ? std::filesystem::path(ladder_path).parent_path()
                                                 : std::filesystem::path(out_dir);
     if (out.empty()) out = ".";
@@ -705,10 +710,13 @@ int run_cli(int argc, char** argv) {
       start = end + 1;
     }
     // Read and check the peer file before a run that may take an hour, not after it.
-    const nlohmann::json peer = peer_path.empty() ? nlohmann::json() : read_json_file(peer_path);
-    if (!peer_path.empty()) validate_peer_json(peer, peer_path);
+    std::vector<std::pair<nlohmann::json, std::string>> peers;
+    for (const std::string& path : peer_paths) {
+      peers.emplace_back(read_json_file(path), path);
+      validate_peer_json(peers.back().first, path);
+    }
     nlohmann::json ladder = run_ladder(options);
-    if (!peer_path.empty()) ladder = attach_peer(ladder, peer, peer_path);
+    if (!peers.empty()) ladder = attach_peers(ladder, peers);
     if (out_dir.empty()) out_dir = "ladder-out";
     std::filesystem::create_directories(out_dir);
     write_ladder_outputs(ladder, out_dir);

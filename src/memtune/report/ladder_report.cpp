@@ -113,7 +113,29 @@ LadderRung parse_rung(const json& value, size_t index) {
   rung.model_flops_per_token = json_get_optional<double>(value, "model_flops_per_token", context);
   if (const json* peer = json_find(value, "peer", context); peer && !peer->is_null())
     rung.peer = parse_peer_figures(*peer, context + ": peer");
+  if (const json* more = json_find(value, "more_peers", context); more && !more->is_null()) {
+    MT_USER_CHECK(more->is_array(), "{}: key \"more_peers\": expected an array, got {}", context,
+                  json_value_description(*more));
+    for (size_t k = 0; k < more->size(); ++k)
+      rung.more_peers.push_back((*more)[k].is_null()
+                                    ? std::nullopt
+                                    : std::optional<LadderPeer>(parse_peer_figures(
+                                          (*more)[k], fmt::format("{}: more_peers[{}]", context, k))));
+  }
   return rung;
+}
+
+// The top-level "peer" object, and each of "more_peers": who the peer was.
+LadderPeerInfo parse_peer_info(const json& peer, const std::string& context) {
+  json_require_object(peer, context);
+  LadderPeerInfo info;
+  info.versions = json_get_or<std::string>(peer, "peer", "unknown", context);
+  info.tool = json_get_or<std::string>(peer, "tool", "", context);
+  info.device = json_get_or<std::string>(peer, "device", "unknown", context);
+  info.date = json_get_or<std::string>(peer, "date", "unknown", context);
+  info.source = json_get_or<std::string>(peer, "source", "", context);
+  info.unmatched = json_get_or<std::vector<std::string>>(peer, "unmatched", {}, context);
+  return info;
 }
 
 std::vector<LadderIsolateEntry> parse_isolate_list(const json& isolate, std::string_view key,
@@ -185,16 +207,19 @@ Ladder parse_ladder_json(const json& value) {
     ladder.isolate_alone = parse_isolate_list(*isolate, "alone", "ladder: isolate", true, ladder);
     ladder.isolate_removed = parse_isolate_list(*isolate, "removed", "ladder: isolate", false, ladder);
   }
-  if (const json* peer = json_find(value, "peer", context); peer && !peer->is_null()) {
-    const std::string peer_context = "ladder: peer";
-    json_require_object(*peer, peer_context);
-    LadderPeerInfo info;
-    info.versions = json_get_or<std::string>(*peer, "peer", "unknown", peer_context);
-    info.device = json_get_or<std::string>(*peer, "device", "unknown", peer_context);
-    info.date = json_get_or<std::string>(*peer, "date", "unknown", peer_context);
-    info.source = json_get_or<std::string>(*peer, "source", "", peer_context);
-    info.unmatched = json_get_or<std::vector<std::string>>(*peer, "unmatched", {}, peer_context);
-    ladder.peer = std::move(info);
+  if (const json* peer = json_find(value, "peer", context); peer && !peer->is_null())
+    ladder.peer = parse_peer_info(*peer, "ladder: peer");
+  if (const json* more = json_find(value, "more_peers", context); more && !more->is_null()) {
+    MT_USER_CHECK(more->is_array(), "ladder: key \"more_peers\": expected an array, got {}",
+                  json_value_description(*more));
+    for (size_t k = 0; k < more->size(); ++k)
+      ladder.more_peers.push_back(parse_peer_info((*more)[k], fmt::format("ladder: more_peers[{}]", k)));
+    for (LadderRung& rung : ladder.rungs) {
+      MT_USER_CHECK(rung.more_peers.size() <= ladder.more_peers.size(),
+                    "ladder: rung \"{}\": {} entries in \"more_peers\", but the ladder names {} more peers",
+                    rung.name, rung.more_peers.size(), ladder.more_peers.size());
+      rung.more_peers.resize(ladder.more_peers.size());
+    }
   }
   ladder.device_peak_flops = json_get_optional<double>(value, "device_peak_flops", context);
   ladder.device_peak_flops_source = json_get_or<std::string>(value, "device_peak_flops_source", "", context);
@@ -204,10 +229,12 @@ Ladder parse_ladder_json(const json& value) {
   return ladder;
 }
 
-PeerComparison compare_with_peer(const LadderRung& rung) {
+PeerComparison compare_with_peer(const LadderRung& rung) { return compare_with(rung, rung.peer); }
+
+PeerComparison compare_with(const LadderRung& rung, const std::optional<LadderPeer>& peer_figures) {
   PeerComparison comparison;
-  if (!rung.peer) return comparison;
-  const LadderPeer& peer = *rung.peer;
+  if (!peer_figures) return comparison;
+  const LadderPeer& peer = *peer_figures;
   if (rung.measured && rung.tokens_per_second && peer.tokens_per_second && std::isfinite(*rung.tokens_per_second) &&
       std::isfinite(*peer.tokens_per_second) && *peer.tokens_per_second > 0) {
     comparison.tokens_per_second_ratio = *rung.tokens_per_second / *peer.tokens_per_second;
@@ -722,6 +749,23 @@ bool any_peer(const Ladder& ladder) {
   return std::any_of(ladder.rungs.begin(), ladder.rungs.end(), [](const LadderRung& r) { return r.peer.has_value(); });
 }
 
+// ---- several peers (attach_peers): peer 0 is "peer", peer k >= 1 is more_peers[k - 1] ----
+const LadderPeerInfo* peer_info(const Ladder& ladder, size_t k) {
+  if (k == 0) return ladder.peer ? &*ladder.peer : nullptr;
+  return &ladder.more_peers[k - 1];
+}
+
+std::string peer_label(const Ladder& ladder, size_t k) {
+  const LadderPeerInfo* info = peer_info(ladder, k);
+  if (info && !info->tool.empty()) return info->tool;
+  return k == 0 ? std::string("peer") : fmt::format("peer {}", k + 1);
+}
+
+const std::optional<LadderPeer>& peer_of(const LadderRung& rung, size_t k) {
+  return k == 0 ? rung.peer : rung.more_peers[k - 1];
+}
+// ---- end several peers ----
+
 std::string mfu_text(double mfu) { return std::isfinite(mfu) ? fmt::format("{:.1f}%", mfu * 100) : "n/a"; }
 
 std::string ratio_text(const std::optional<double>& ratio, const std::optional<bool>& beats, std::string_view better,
@@ -828,6 +872,76 @@ std::string run_summary_line(const Ladder& ladder) {
                          : "");
 }
 
+// report.md's section for several peers: each peer's figures beside memtune's, with the ratio.
+std::string every_peer_markdown(const Ladder& ladder) {
+  const size_t count = 1 + ladder.more_peers.size();
+  std::string md = "## Against every peer\n\n";
+  md += "The same rungs run by each peer, matched by the trick each rung adds. Each cell holds the peer's figure and, "
+        "in brackets, memtune / peer: tokens/s above 1x means memtune is faster; device peak below 1x means "
+        "memtune takes less device memory (both process-level, as nvidia-smi shows, the CUDA context included).\n\n";
+  for (size_t k = 0; k < count; ++k) {
+    const LadderPeerInfo* info = peer_info(ladder, k);
+    if (!info) {
+      md += fmt::format("- **{}**: no peer record\n", peer_label(ladder, k));
+      continue;
+    }
+    md += fmt::format("- **{}**: {} on {}, {}{}{}\n", peer_label(ladder, k), info->versions, info->device, info->date,
+                      info->source.empty() ? "" : " (" + info->source + ")",
+                      info->device != ladder.device ? " **(not the device memtune ran on)**" : "");
+  }
+  md += "\n";
+  std::vector<std::string> headers = {"rung", "memtune tokens/s", "memtune device peak"};
+  std::vector<bool> right = {false, true, true};
+  for (size_t k = 0; k < count; ++k) {
+    headers.push_back(peer_label(ladder, k) + " tokens/s (memtune x)");
+    headers.push_back(peer_label(ladder, k) + " device peak (memtune x)");
+    right.insert(right.end(), {true, true});
+  }
+  const auto bytes = [](uint64_t b) { return format_bytes(b); };
+  std::vector<size_t> faster(count), compared_speed(count), smaller(count), compared_memory(count);
+  std::vector<std::vector<std::string>> rows;
+  for (const LadderRung& r : ladder.rungs) {
+    std::vector<std::string> row = {r.name, optional_text(r.tokens_per_second, rate_text),
+                                    optional_text(r.device_peak_bytes, bytes)};
+    for (size_t k = 0; k < count; ++k) {
+      const std::optional<LadderPeer>& p = peer_of(r, k);
+      if (!p) {
+        row.insert(row.end(), {"-", "-"});
+        continue;
+      }
+      if (p->measured.has_value() && !*p->measured) {
+        const std::string why = p->error.empty() ? std::string("did not run") : p->error;
+        row.insert(row.end(), {why, "-"});
+        continue;
+      }
+      const PeerComparison c = compare_with(r, p);
+      compared_speed[k] += c.beats_tokens_per_second.has_value();
+      faster[k] += c.beats_tokens_per_second.value_or(false);
+      compared_memory[k] += c.beats_device_peak.has_value();
+      smaller[k] += c.beats_device_peak.value_or(false);
+      const auto with_ratio = [](std::string text, const std::optional<double>& ratio) {
+        return ratio ? fmt::format("{} ({:.2f}x)", text, *ratio) : text;
+      };
+      row.push_back(with_ratio(optional_text(p->tokens_per_second, rate_text), c.tokens_per_second_ratio));
+      row.push_back(with_ratio(optional_text(p->device_peak_bytes, bytes), c.device_peak_ratio));
+    }
+    rows.push_back(std::move(row));
+  }
+  md += markdown_table(headers, rows, right);
+  md += "\n";
+  for (size_t k = 0; k < count; ++k) {
+    md += fmt::format("- memtune against {}: faster on {} of {} rungs where both speeds were measured, smaller on {} "
+                      "of {} where both device peaks were.",
+                      peer_label(ladder, k), faster[k], compared_speed[k], smaller[k], compared_memory[k]);
+    const LadderPeerInfo* info = peer_info(ladder, k);
+    if (info && !info->unmatched.empty())
+      md += fmt::format(" Its rungs with no memtune rung of the same \"added\": {}.", fmt::join(info->unmatched, "; "));
+    md += "\n";
+  }
+  md += "\n";
+  return md;
+}
+
 }  // namespace
 
 std::string ladder_terminal_table(const json& value) {
@@ -840,6 +954,15 @@ std::string ladder_terminal_table(const json& value) {
     for (size_t i = 0; i < rows.size(); ++i) {
       const std::vector<std::string> cells = peer_cells(ladder.rungs[i]);
       rows[i].insert(rows[i].end(), cells.begin(), cells.end());
+    }
+  }
+  for (size_t k = 1; k <= ladder.more_peers.size(); ++k) {  // several peers: two ratio columns each
+    headers.push_back("tokens/s vs " + peer_label(ladder, k));
+    headers.push_back("device peak vs " + peer_label(ladder, k));
+    for (size_t i = 0; i < rows.size(); ++i) {
+      const PeerComparison c = compare_with(ladder.rungs[i], peer_of(ladder.rungs[i], k));
+      rows[i].push_back(ratio_text(c.tokens_per_second_ratio, c.beats_tokens_per_second, "faster", "slower"));
+      rows[i].push_back(ratio_text(c.device_peak_ratio, c.beats_device_peak, "smaller", "larger"));
     }
   }
   std::vector<size_t> widths(headers.size());
@@ -874,6 +997,8 @@ std::string ladder_terminal_table(const json& value) {
     out += fmt::format("peer = {}: its device peak is process-level too, so the columns compare like with like;\n"
                        "x = memtune / peer.\n",
                        ladder.peer ? ladder.peer->versions : std::string("transformers + PEFT"));
+  for (size_t k = 1; k <= ladder.more_peers.size(); ++k)
+    out += fmt::format("{} = {}.\n", peer_label(ladder, k), ladder.more_peers[k - 1].versions);
   return out;
 }
 
@@ -1083,6 +1208,8 @@ std::string ladder_markdown(const json& value) {
     md += "\n";
   }
 
+  if (!ladder.more_peers.empty()) md += every_peer_markdown(ladder);
+
   md += "## Claims\n\n";
   md += "Each claim from the usual advice beside what this run measured. The verdicts are computed from the "
         "numbers above: **held**, **did not hold**, or **not measured** on this run.\n\n";
@@ -1178,7 +1305,7 @@ std::string ladder_csv(const json& value) {
   static const std::set<std::string> kKnown = {
       "name", "techniques", "added", "planned", "planned_peak_bytes", "engine_peak_bytes", "device_peak_bytes",
       "fits_budget", "fits_device", "measured", "step_seconds", "tokens_per_second", "loss", "loss_scaler",
-      "micro_batch", "grad_accum", "seq", "peer", "mfu", "model_flops_per_token"};
+      "micro_batch", "grad_accum", "seq", "peer", "mfu", "model_flops_per_token", "more_peers"};
   std::set<std::string> extra;
   for (const json& rung : value.at("rungs"))
     for (const auto& [key, field] : rung.items())
@@ -1194,6 +1321,14 @@ std::string ladder_csv(const json& value) {
       "beats_peer_device_peak", "saving_vs_previous_bytes", "saving_vs_baseline_bytes"};
   for (int c = 0; c < kNumMemCategories; ++c) header.push_back("planned_" + std::string(category_name(category_at(c))));
   for (const std::string& key : extra) header.push_back(key);
+  for (size_t k = 1; k <= ladder.more_peers.size(); ++k)  // several peers: the second is peer2_..., at the end
+    for (const char* field : {"tool", "measured", "error", "tokens_per_second", "step_seconds", "device_peak_bytes",
+                              "peak_reserved_bytes"})
+      header.push_back(fmt::format("peer{}_{}", k + 1, field));
+  for (size_t k = 1; k <= ladder.more_peers.size(); ++k) {
+    header.push_back(fmt::format("tokens_per_second_vs_peer{}", k + 1));
+    header.push_back(fmt::format("device_peak_vs_peer{}", k + 1));
+  }
 
   std::string out;
   const auto emit = [&](const std::vector<std::string>& fields) {
@@ -1237,6 +1372,17 @@ std::string ladder_csv(const json& value) {
       const auto it = raw.find(key);
       row.push_back(it == raw.end() || it->is_object() || it->is_array() ? "" : csv_scalar(*it));
     }
+    for (size_t k = 1; k <= ladder.more_peers.size(); ++k) {
+      const std::optional<LadderPeer>& p = peer_of(r, k);
+      row.insert(row.end(), {peer_label(ladder, k), p && p->measured ? boolean(*p->measured) : "", p ? p->error : "",
+                             p ? opt_d(p->tokens_per_second) : "", p ? opt_d(p->step_seconds) : "",
+                             p ? opt_u(p->device_peak_bytes) : "", p ? opt_u(p->peak_reserved_bytes) : ""});
+    }
+    for (size_t k = 1; k <= ladder.more_peers.size(); ++k) {
+      const PeerComparison c = compare_with(r, peer_of(r, k));
+      row.push_back(opt_d(c.tokens_per_second_ratio));
+      row.push_back(opt_d(c.device_peak_ratio));
+    }
     emit(row);
   }
   return out;
@@ -1262,6 +1408,21 @@ constexpr size_t kCategoryColor[kNumMemCategories] = {
 };
 constexpr std::string_view kBudgetRed = "#CC3311";
 constexpr std::string_view kPeerOrange = "#EE7733";  // Paul Tol's vibrant orange: apart from every category colour
+
+// The second, third, ... peer's device-peak marker: a square, a triangle, a hexagon, each in a
+// colour of its own (Paul Tol's vibrant blue, magenta, teal), centred on (x, y).
+std::string_view extra_peer_color(size_t k) {
+  static constexpr std::string_view colors[] = {"#0077BB", "#EE3377", "#009988"};
+  return colors[(k - 1) % 3];
+}
+
+std::vector<std::pair<double, double>> extra_peer_marker(size_t k, double x, double y) {
+  switch ((k - 1) % 3) {
+    case 0: return {{x - 5, y - 5}, {x + 5, y - 5}, {x + 5, y + 5}, {x - 5, y + 5}};
+    case 1: return {{x, y - 6}, {x + 6, y + 5}, {x - 6, y + 5}};
+    default: return {{x - 3, y - 5}, {x + 3, y - 5}, {x + 6, y}, {x + 3, y + 5}, {x - 3, y + 5}, {x - 6, y}};
+  }
+}
 
 struct ChartUnit {
   double bytes;
@@ -1315,6 +1476,8 @@ std::string ladder_svg(const json& value) {
     if (r.planned_peak_bytes > live + live / 200) any_gap = true;
     max_bytes = std::max({max_bytes, r.planned_peak_bytes, live, r.engine_peak_bytes.value_or(0),
                           r.device_peak_bytes.value_or(0), r.peer ? r.peer->device_peak_bytes.value_or(0) : 0});
+    for (const std::optional<LadderPeer>& p : r.more_peers)
+      max_bytes = std::max(max_bytes, p ? p->device_peak_bytes.value_or(0) : 0);
   }
   // A budget far above every bar would squash them to slivers: then it is written, not drawn.
   const bool has_budget = ladder.budget_bytes > 0;
@@ -1329,10 +1492,15 @@ std::string ladder_svg(const json& value) {
   for (int c = kNumMemCategories - 1; c >= 0; --c)
     legend_categories.emplace_back(std::string(category_label(category_at(c))), c);
   const std::string budget_label = budget_text(ladder);
-  const std::vector<std::string> marker_labels = {
+  std::vector<std::string> marker_labels = {
       "device peak (nvidia-smi)", "engine peak (memtune arenas)", budget_label,
       "plan limit (budget less context)", "over budget", "plan only (not run here)", "arena gaps",
       "peer device peak (transformers)"};
+  if (!ladder.more_peers.empty()) {  // several peers: each marker names its tool
+    marker_labels[7] = "peer device peak (" + peer_label(ladder, 0) + ")";
+    for (size_t k = 1; k <= ladder.more_peers.size(); ++k)
+      marker_labels.push_back("peer device peak (" + peer_label(ladder, k) + ")");
+  }
   double legend_width = svg::text_width("planned, by category", legend_font);
   for (const auto& [label, c] : legend_categories)
     legend_width = std::max(legend_width, svg::text_width(label, legend_font));
@@ -1462,6 +1630,15 @@ std::string ladder_svg(const json& value) {
                   fmt::format("class=\"peer-device-peak\" fill=\"#ffffff\" stroke=\"{}\" stroke-width=\"2.2\"", kPeerOrange));
       label_bases[i] = std::min(label_bases[i], y - 9);
     }
+    for (size_t k = 1; k <= r.more_peers.size(); ++k) {
+      const std::optional<LadderPeer>& p = r.more_peers[k - 1];
+      if (!p || !p->device_peak_bytes) continue;
+      const double y = y_of(static_cast<double>(*p->device_peak_bytes));
+      doc.polygon(extra_peer_marker(k, left - 16 - 11.0 * static_cast<double>(k), y),
+                  fmt::format("class=\"peer-device-peak peer-{}\" fill=\"#ffffff\" stroke=\"{}\" stroke-width=\"2\"",
+                              k + 1, extra_peer_color(k)));
+      label_bases[i] = std::min(label_bases[i], y - 9);
+    }
     doc.raw("</g>");
   }
 
@@ -1581,6 +1758,13 @@ std::string ladder_svg(const json& value) {
                 fmt::format("fill=\"#ffffff\" stroke=\"{}\" stroke-width=\"2.2\"", kPeerOrange));
     legend_row(marker_labels[7]);
   }
+  for (size_t k = 1; k <= ladder.more_peers.size(); ++k) {
+    if (!any_rung([&](const LadderRung& r) { return r.more_peers[k - 1] && r.more_peers[k - 1]->device_peak_bytes; }))
+      continue;
+    doc.polygon(extra_peer_marker(k, legend_x + 13, ly + 7),
+                fmt::format("fill=\"#ffffff\" stroke=\"{}\" stroke-width=\"2\"", extra_peer_color(k)));
+    legend_row(marker_labels[7 + k]);
+  }
 
   // How the measured figures relate, under the names.
   const std::string note =
@@ -1628,47 +1812,85 @@ std::string peer_context(const std::string& source) { return source.empty() ? st
 
 void validate_peer_json(const json& peer, const std::string& source) { parse_peer_rungs(peer, peer_context(source)); }
 
-json attach_peer(const json& ladder_value, const json& peer, const std::string& source) {
-  const Ladder ladder = parse_ladder_json(ladder_value);  // a bad ladder fails here, not half-way
+namespace {
+
+// One peer matched to a ladder's rungs: per rung the peer's figures with the comparison (null
+// where the peer has no rung of the same "added"), and the top-level record of who it was.
+struct MatchedPeer {
+  std::vector<json> figures;
+  json info;
+};
+
+MatchedPeer match_peer(const Ladder& ladder, const json& peer, const std::string& source) {
   const std::string context = peer_context(source);
   const std::vector<std::pair<std::string, LadderPeer>> by_added = parse_peer_rungs(peer, context);
   const json& peer_rungs = peer["rungs"];
-  const std::string versions = peer["peer"].get<std::string>();
-
-  json out = ladder_value;
+  MatchedPeer matched;
   std::vector<bool> used(by_added.size(), false);
   for (size_t r = 0; r < ladder.rungs.size(); ++r) {
-    json& rung = out["rungs"][r];
-    rung.erase("peer");
+    json figures = nullptr;
     for (size_t p = 0; p < by_added.size(); ++p) {
       if (by_added[p].first != ladder.rungs[r].added) continue;
       used[p] = true;
-      json figures = peer_rungs[p];
+      figures = peer_rungs[p];
       figures.erase("added");  // the rung's own "added" says it
-      LadderRung with_peer = ladder.rungs[r];
-      with_peer.peer = by_added[p].second;
-      const PeerComparison c = compare_with_peer(with_peer);
+      const PeerComparison c = compare_with(ladder.rungs[r], by_added[p].second);
       const auto or_null = [](const auto& v) { return v ? json(*v) : json(nullptr); };
       figures["tokens_per_second_ratio"] = or_null(c.tokens_per_second_ratio);
       figures["device_peak_ratio"] = or_null(c.device_peak_ratio);
       figures["beats_tokens_per_second"] = or_null(c.beats_tokens_per_second);
       figures["beats_device_peak"] = or_null(c.beats_device_peak);
-      rung["peer"] = std::move(figures);
     }
+    matched.figures.push_back(std::move(figures));
   }
   json unmatched = json::array();
   for (size_t p = 0; p < by_added.size(); ++p)
     if (!used[p]) unmatched.push_back(by_added[p].second.name);
-  out["peer"] = {{"peer", versions},
-                 {"device", json_get_or<std::string>(peer, "device", "unknown", context)},
-                 {"date", json_get_or<std::string>(peer, "date", "unknown", context)},
-                 {"config", peer.contains("config") ? peer["config"] : json(nullptr)},
-                 {"source", source},
-                 {"unmatched", unmatched},
-                 {"compared",
-                  "memtune device_peak_bytes with the peer's device_peak_bytes (both process-level, as nvidia-smi "
-                  "shows: CUDA context included); memtune tokens_per_second with the peer's tokens_per_second; "
-                  "ratios are memtune / peer"}};
+  matched.info = {{"peer", peer["peer"].get<std::string>()},
+                  {"device", json_get_or<std::string>(peer, "device", "unknown", context)},
+                  {"date", json_get_or<std::string>(peer, "date", "unknown", context)},
+                  {"config", peer.contains("config") ? peer["config"] : json(nullptr)},
+                  {"source", source},
+                  {"unmatched", unmatched},
+                  {"compared",
+                   "memtune device_peak_bytes with the peer's device_peak_bytes (both process-level, as nvidia-smi "
+                   "shows: CUDA context included); memtune tokens_per_second with the peer's tokens_per_second; "
+                   "ratios are memtune / peer"}};
+  const std::string tool = json_get_or<std::string>(peer, "tool", "", context);
+  if (!tool.empty()) matched.info["tool"] = tool;
+  return matched;
+}
+
+}  // namespace
+
+json attach_peer(const json& ladder_value, const json& peer, const std::string& source) {
+  return attach_peers(ladder_value, {{peer, source}});
+}
+
+json attach_peers(const json& ladder_value, const std::vector<std::pair<json, std::string>>& peers) {
+  const Ladder ladder = parse_ladder_json(ladder_value);  // a bad ladder fails here, not half-way
+  MT_USER_CHECK(!peers.empty(), "attach_peers: no peer given");
+  std::vector<MatchedPeer> matched;
+  for (const auto& [peer, source] : peers) matched.push_back(match_peer(ladder, peer, source));  // all checked first
+  json out = ladder_value;
+  out.erase("more_peers");
+  for (size_t r = 0; r < ladder.rungs.size(); ++r) {
+    json& rung = out["rungs"][r];
+    rung.erase("peer");
+    rung.erase("more_peers");
+    if (!matched[0].figures[r].is_null()) rung["peer"] = matched[0].figures[r];
+    if (matched.size() > 1) {
+      json more = json::array();
+      for (size_t k = 1; k < matched.size(); ++k) more.push_back(matched[k].figures[r]);
+      rung["more_peers"] = std::move(more);
+    }
+  }
+  out["peer"] = matched[0].info;
+  if (matched.size() > 1) {
+    json more = json::array();
+    for (size_t k = 1; k < matched.size(); ++k) more.push_back(matched[k].info);
+    out["more_peers"] = std::move(more);
+  }
   return out;
 }
 

@@ -83,9 +83,14 @@ struct LadderRung {
   int64_t micro_batch = 0, grad_accum = 0, seq = 0;
   std::optional<double> mfu, model_flops_per_token;
   std::optional<LadderPeer> peer;
+  // The second, third, ... peer's figures (ladder["rungs"][i]["more_peers"], aligned with
+  // Ladder::more_peers; nullopt where that peer has no rung of the same "added").
+  std::vector<std::optional<LadderPeer>> more_peers;
 };
 
 PeerComparison compare_with_peer(const LadderRung& rung);
+// The same against any peer's figures for this rung.
+PeerComparison compare_with(const LadderRung& rung, const std::optional<LadderPeer>& peer);
 
 struct LadderIsolateEntry {
   std::string name;
@@ -98,6 +103,7 @@ struct LadderIsolateEntry {
 // The top-level "peer" object: who the peer was.
 struct LadderPeerInfo {
   std::string versions;  // "transformers X, peft Y, torch Z, bitsandbytes W|none"
+  std::string tool;      // the peer JSON's "tool" ("transformers+peft+bnb", "...+liger", "unsloth"); may be empty
   std::string device, date, source;
   std::vector<std::string> unmatched;  // peer rungs that no memtune rung has
 };
@@ -112,6 +118,7 @@ struct Ladder {
   bool has_isolate = false;
   std::vector<LadderIsolateEntry> isolate_alone, isolate_removed;
   std::optional<LadderPeerInfo> peer;
+  std::vector<LadderPeerInfo> more_peers;  // ladder["more_peers"]: the peers after the first
   std::optional<double> device_peak_flops;
   std::optional<double> measured_gemm_flops;  // dense bf16 GEMM rate measured in the same process
   std::string device_peak_flops_source, mfu_definition, measured_gemm_definition;
@@ -153,6 +160,14 @@ std::string ladder_svg(const nlohmann::json& ladder);
 // config, source, unmatched}. A peer already attached is replaced. `source` names the file in
 // errors and in the report. memtune::Error names the first bad field of either input.
 nlohmann::json attach_peer(const nlohmann::json& ladder, const nlohmann::json& peer, const std::string& source);
+// Several peers (memtune report --peer A --peer B ...): the first attached as attach_peer does
+// (so one peer gives exactly attach_peer's output), each further one under "more_peers": the
+// top level gets "more_peers" [{peer, tool, device, date, config, source, unmatched}, ...] and
+// every rung "more_peers" [figures with the comparison, or null, ...] in the same order. Any
+// peers already attached are replaced. report.md, the terminal table, ladder.csv and the SVG
+// then show every peer beside memtune, each labelled by its "tool" (else "peer N").
+nlohmann::json attach_peers(const nlohmann::json& ladder,
+                            const std::vector<std::pair<nlohmann::json, std::string>>& peers);
 // The same checks on peer.json alone: for a command that runs for a long time before attaching.
 void validate_peer_json(const nlohmann::json& peer, const std::string& source);
 
