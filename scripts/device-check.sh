@@ -32,7 +32,7 @@
 #       liger      bench/peer_hf.py --liger on the ladder's rungs (transformers + PEFT + bnb + Liger)
 #       peer-data  bench/peer_hf.py, QLoRA full stack, 2 x 2048, accumulation 2, on sft-tasks.jsonl x
 #                  DATA_REPEAT with the Llama 3 tokenizer, unpacked (padded to the longest row) and
-#                  packed; then memtune on the same data (placeholder: memtune_peer_data below)
+#                  packed; then memtune on the same data in each data mode (memtune_peer_data below)
 #       peer-context  bench/peer_hf.py --max-context (QLoRA rung at batch 1) under each cap of CONTEXT_CAPS
 #   The unsloth, unsloth-data, unsloth-context, liger, peer-data and peer-context parts are
 #   independent of each other and of the others: each installs the wheels in .whl/ it needs
@@ -338,34 +338,34 @@ if has_part liger; then
   peer_summary "$WORK/peer-liger.json" liger
 fi
 
-# ---- PLACEHOLDER (memtune side of peer-data; another engineer fills it in) ----
-# memtune on the same data as the peer-data part: Llama-3.1-8B architecture, QLoRA full stack,
-# 2 x 2048, accumulation 2, examples/sft-tasks.jsonl repeated DATA_REPEAT times (memtune has no
-# --repeat: the file is concatenated), the Llama 3 tokenizer; default (unpacked) and --packing,
-# metrics JSONL per run. What to compare with the peer (real tokens/s, trained targets/s) is for
-# whoever finishes this once memtune's metrics report them (issue 22).
+# memtune on the peer-data part's data: the QLoRA full stack (host embeddings) on sft-tasks.jsonl x
+# DATA_REPEAT through the Llama 3 tokenizer, in every data mode, and on synthetic rows of one
+# 2048-token sample each (no --data). bench/data_modes.py summarises each run's --metrics from the
+# step records after the first two (cuDNN builds its graphs in the first steps): tokens of
+# samples per second, trained targets per second, the padding share, and the device peak.
 memtune_peer_data() {
   local D="$WORK/peer-data" data="$WORK/peer-data/sft-tasks-x$DATA_REPEAT.jsonl" i name args
   mkdir -p "$D"
   : > "$data"; for i in $(seq "$DATA_REPEAT"); do cat "$ROOT/examples/sft-tasks.jsonl" >> "$data"; done
-  for variant in "memtune-unpacked|" "memtune-packed|--packing"; do
+  for variant in "memtune-synthetic|" "memtune-max_length|--data $data --padding max_length" \
+                 "memtune-unpacked|--data $data" "memtune-grouped|--data $data --group_by_length" \
+                 "memtune-padding_free|--data $data --padding_free" "memtune-packed|--data $data --packing"; do
     name=${variant%%|*}; args=${variant#*|}
     nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 100 > "$D/$name.smi" 2>&1 &
     local sampler=$!
     timeout "${DATA_TIMEOUT:-240}" "$BIN_DIR/memtune" train --device cuda --model llama-3.1-8b \
       --load_in_4bit --bf16 --gradient_checkpointing --attn_implementation auto --loss_implementation chunked \
-      --batch 2 --accum 2 --seq 2048 --lora_r 16 --lora_alpha 16 --max_steps "${DATA_STEPS:-6}" --quiet \
-      --data "$data" --tokenizer "$TOKENIZER" $args --metrics "$D/$name.jsonl" --out "$D/out" \
-      > "$D/$name.log" 2>&1
+      --offload_embeddings --batch 2 --accum 2 --seq 2048 --lora_r 16 --lora_alpha 16 \
+      --max_steps "${DATA_STEPS:-6}" --quiet --tokenizer "$TOKENIZER" $args --metrics "$D/$name.jsonl" \
+      --out "$D/out" > "$D/$name.log" 2>&1
     local rc=$?
     kill $sampler 2>/dev/null; wait $sampler 2>/dev/null
-    echo "$name exit $rc; device peak $(sort -n "$D/$name.smi" | tail -1) MiB; metrics $D/$name.jsonl (placeholder: not summarised)"
-    [ $rc -ne 0 ] && status=1
+    echo "$name exit $rc: $(python3 "$ROOT/bench/data_modes.py" "$D/$name.jsonl" "$D/$name.smi" 2>&1)"
+    [ $rc -ne 0 ] && { status=1; tail -5 "$D/$name.log"; }
     rm -rf "$D/out"
   done
   rm -f "$data"
 }
-# ---- end PLACEHOLDER ----
 
 if has_part peer-data; then
   stamp peer-data

@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "gpu_test_util.h"
+#include "../support/fixtures.h"
 #include "memtune/step/llama_generate.h"
 
 namespace memtune::gputest {
@@ -54,12 +55,12 @@ TEST_F(CudaDecodeTest, AttentionDecodeMatchesCpu) {
 }
 
 TEST_F(CudaDecodeTest, GenerationOnTheGpuEqualsTransformersGreedy) {
-  std::ifstream in(std::string(MEMTUNE_SOURCE_DIR) + "/tests/fixtures/generate/greedy.json");
+  std::ifstream in(memtune::test::fixture_path("generate/greedy.json"));
   const nlohmann::json fixture = nlohmann::json::parse(in);
   const int64_t max_new = fixture["max_new_tokens"].get<int64_t>();
   for (const nlohmann::json& c : fixture["cases"]) {
     const std::string name = c["fixture"];
-    const std::filesystem::path dir = std::filesystem::path(MEMTUNE_SOURCE_DIR) / "tests/fixtures/golden" / name;
+    const std::filesystem::path dir = memtune::test::fixture_path("golden/" + name);
     const std::vector<int32_t> prompt = c["prompt_ids"].get<std::vector<int32_t>>();
     const LlamaConfig config = LlamaConfig::from_file(dir / "config.json");
     InferenceSetup setup;
@@ -78,7 +79,7 @@ TEST_F(CudaDecodeTest, GenerationOnTheGpuEqualsTransformersGreedy) {
 }
 
 TEST_F(CudaDecodeTest, CachedLogitsEqualTheFullForwardOnTheGpu) {
-  const std::filesystem::path dir = std::filesystem::path(MEMTUNE_SOURCE_DIR) / "tests/fixtures/golden/gqa_rope";
+  const std::filesystem::path dir = memtune::test::fixture_path("golden/gqa_rope");
   const LlamaConfig config = LlamaConfig::from_file(dir / "config.json");
   const std::vector<int32_t> ids = {1, 40, 7, 255, 3, 18, 99, 120, 61, 2, 44, 5, 230, 17, 8, 150, 77};
   const int64_t n = static_cast<int64_t>(ids.size());

@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "gpu_test_util.h"
+#include "../support/fixtures.h"
 #include "memtune/io/safetensors.h"
 #include "memtune/model/llama_config.h"
 #include "memtune/ops/device.h"
@@ -116,7 +117,7 @@ TEST_F(CudaStepTest, WholeStepsMatchTheCpuInEveryPrecisionAndTechnique) {
 
 // ---- Hugging Face golden files on the GPU ---------------------------------------------------------
 
-fs::path golden_dir(const std::string& name) { return fs::path(MEMTUNE_SOURCE_DIR) / "tests/fixtures/golden" / name; }
+fs::path golden_dir(const std::string& name) { return memtune::test::fixture_path("golden/" + name); }
 
 nlohmann::json read_json(const fs::path& path) {
   std::ifstream in(path);
