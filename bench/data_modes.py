@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""One line for a `memtune train --metrics` file: the step records after the first SKIP (2), as
+"""One line for a `memtune train --metrics` file: the step records after the first SKIP (2), the
+profiled one (train --profile) left out, as
 tokens of samples per second, trained targets per second, token slots computed per second and
 the padding share; with an nvidia-smi sample file (MiB, one per line) also the device peak.
 
@@ -14,7 +15,8 @@ def summarise(metrics_path, smi_path=None, skip=2):
     with open(metrics_path) as f:
         for line in f:
             record = json.loads(line)
-            if record.get("event") == "step" and record.get("command") == "train":
+            # A profiled step (train --profile) times every op alone: not a speed figure.
+            if record.get("event") == "step" and record.get("command") == "train" and not record.get("profiled"):
                 steps.append(record)
     timed = steps[skip:] if len(steps) > skip else steps
     seconds = sum(r["step_seconds"] for r in timed)

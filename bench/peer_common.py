@@ -522,9 +522,9 @@ def train_steps(model, trainable, opt, batches, *, device, autocast_dtype=None, 
     sums = {"tokens": 0, "real_tokens": 0, "target_tokens": 0}
     loss_value, skipped = float("nan"), 0
     n = len(batches)
-    for step, micro in enumerate(batches):
-        sync()
-        t0 = time.perf_counter()
+
+    def one_step(micro):
+        nonlocal use_items
         step_loss = 0.0
         accum = len(micro)
         items = sum(mb["target_tokens"] for mb in micro)
@@ -566,6 +566,12 @@ def train_steps(model, trainable, opt, batches, *, device, autocast_dtype=None, 
         else:
             opt.step()
         opt.zero_grad(set_to_none=True)
+        return step_loss, scale_before
+
+    for step, micro in enumerate(batches):
+        sync()
+        t0 = time.perf_counter()
+        step_loss, scale_before = one_step(micro)
         sync()
         seconds = time.perf_counter() - t0
         if scaler and scaler.get_scale() < scale_before:
@@ -577,6 +583,28 @@ def train_steps(model, trainable, opt, batches, *, device, autocast_dtype=None, 
             for k in sums:
                 sums[k] += sum(mb[k] for mb in micro)
         print(f"  [{label}] step {step + 1}/{n} loss {loss_value:.4f} {seconds:.2f} s", file=sys.stderr, flush=True)
+    # PEER_PROFILE=1: one more step (the last batch again, after the timed ones) under
+    # torch.profiler, its kernels by GPU time: where the peer's step goes, beside memtune's
+    # `train --profile` table (bench/NOTES.md).
+    profile = None
+    if os.environ.get("PEER_PROFILE") == "1" and on_cuda and batches:
+        try:
+            from torch.profiler import ProfilerActivity, profile as torch_profile
+            sync()
+            with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+                one_step(batches[-1])
+                sync()
+            events = [e for e in prof.key_averages() if getattr(e, "device_time_total", 0) > 0]
+            total_us = sum(e.self_device_time_total for e in events)
+            profile = {"total_kernel_ms": total_us / 1e3,
+                       "kernels": [{"name": e.key[:120], "calls": e.count, "ms": e.self_device_time_total / 1e3}
+                                   for e in sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:40]]}
+            print(f"  [{label}] profile of one step: {profile['total_kernel_ms']:.1f} ms of kernels; the top:",
+                  file=sys.stderr)
+            for k in profile["kernels"][:25]:
+                print(f"    {k['ms']:9.2f} ms {k['calls']:6d}x  {k['name']}", file=sys.stderr)
+        except Exception as exc:  # a profile is an extra; the measured steps stand without it
+            print(f"  [{label}] profile failed: {exc!r}", file=sys.stderr)
     result = {"step_seconds": timed / timed_steps, "tokens_per_second": sums["tokens"] / timed,
               "real_tokens_per_second": sums["real_tokens"] / timed,
               "target_tokens_per_second": sums["target_tokens"] / timed,
@@ -584,6 +612,8 @@ def train_steps(model, trainable, opt, batches, *, device, autocast_dtype=None, 
               "loss": loss_value if math.isfinite(loss_value) else str(loss_value), **info}
     if scaler:
         result["loss_scaler"] = {"skipped_steps": skipped, "final_scale": float(scaler.get_scale())}
+    if profile:
+        result["profile"] = profile
     return result
 
 

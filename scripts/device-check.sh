@@ -34,6 +34,11 @@
 #                  DATA_REPEAT with the Llama 3 tokenizer, unpacked (padded to the longest row) and
 #                  packed; then memtune on the same data in each data mode (memtune_peer_data below)
 #       peer-context  bench/peer_hf.py --max-context (QLoRA rung at batch 1) under each cap of CONTEXT_CAPS
+#       configs    memtune on issue 21's configurations 1-3 (CONFIGS: a comma list of the variants in
+#                  the part's comment; CONFIG_STEPS 6, CONFIG_TIMEOUT 150 s a run)
+#       edge       the --vram verdict at its edge: `memtune fit --max-context --vram EDGE_VRAM` (24GiB),
+#                  then `memtune train` at the longest length it found with offload, for EDGE_STEPS (2)
+#                  steps under the same --vram; nvidia-smi's maximum against the budget
 #   The unsloth, unsloth-data, unsloth-context, liger, peer-data and peer-context parts are
 #   independent of each other and of the others: each installs the wheels in .whl/ it needs
 #   (carry .whl; bench/install_peer_wheels.sh --prepare-bnb --prepare-unsloth --prepare-liger).
@@ -272,6 +277,75 @@ if has_part longctx; then
   [ $rc -ne 0 ] && status=1
   grep -E "peak|host|step +[0-9]+|tokens/s|error|Maximum resident" "$L/train.log" | tail -20
   rm -rf "$L/out"
+fi
+
+# memtune on issue 21's configurations, one `memtune train` each (tokens/s and device peak as in
+# memtune_peer_data: bench/data_modes.py over the steps after the first two, nvidia-smi sampled):
+#   qlora, qlora-offload   configuration 1: the QLoRA full stack (ckpt, fused attention, chunked
+#                          loss, host embeddings) at the ladder's shape; + the checkpointed layer
+#                          inputs in pinned host memory (as Unsloth's "unsloth" checkpointing)
+#   lora16, lora16-offload configuration 3: 16-bit LoRA (bf16, ckpt, fused attention, chunked loss,
+#                          host embeddings); + activation offload
+#   data-unpacked, data-packed  configuration 2: QLoRA, batch 2 x accumulation 4, r32 a32, on
+#                          sft-tasks.jsonl x DATA_REPEAT through the Llama 3 tokenizer
+if has_part configs; then
+  stamp configs
+  C="$WORK/configs"; mkdir -p "$C"
+  cdata="$C/sft-tasks-x$DATA_REPEAT.jsonl"
+  : > "$cdata"; for i in $(seq "$DATA_REPEAT"); do cat "$ROOT/examples/sft-tasks.jsonl" >> "$cdata"; done
+  QLORA="--load_in_4bit --bf16 --gradient_checkpointing --attn_implementation auto --loss_implementation chunked --offload_embeddings"
+  LORA16="--bf16 --gradient_checkpointing --attn_implementation auto --loss_implementation chunked --offload_embeddings"
+  SHAPE1="--batch 2 --accum ${LADDER_ACCUM:-2} --seq 2048 --lora_r 16 --lora_alpha 16"
+  SHAPE2="--batch 2 --accum 4 --seq 2048 --lora_r 32 --lora_alpha 32 --tokenizer $TOKENIZER --data $cdata"
+  # The two plain variants also time every op of their last step (--profile; left out of tokens/s).
+  for variant in "qlora|$QLORA $SHAPE1 --profile" "qlora-offload|$QLORA --offload_activations $SHAPE1" \
+                 "lora16|$LORA16 $SHAPE1 --profile" "lora16-offload|$LORA16 --offload_activations $SHAPE1" \
+                 "data-unpacked|$QLORA $SHAPE2" "data-packed|$QLORA $SHAPE2 --packing"; do
+    name=${variant%%|*}; args=${variant#*|}
+    case ",${CONFIGS:-qlora,qlora-offload,lora16,lora16-offload,data-unpacked,data-packed}," in *",$name,"*) ;; *) continue;; esac
+    nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 100 > "$C/$name.smi" 2>&1 &
+    sampler=$!
+    timeout "${CONFIG_TIMEOUT:-150}" "$BIN_DIR/memtune" train --device cuda --model llama-3.1-8b $args \
+      --max_steps "${CONFIG_STEPS:-6}" --quiet --metrics "$C/$name.jsonl" --out "$C/out" > "$C/$name.log" 2>&1
+    rc=$?
+    kill $sampler 2>/dev/null; wait $sampler 2>/dev/null
+    echo "memtune $name exit $rc: $(python3 "$ROOT/bench/data_modes.py" "$C/$name.jsonl" "$C/$name.smi" 2>&1)"
+    grep -h "device memory in use" "$C/$name.log"
+    [ $rc -ne 0 ] && { status=1; tail -5 "$C/$name.log"; }
+    rm -rf "$C/out"
+  done
+  rm -f "$cdata"
+fi
+
+# The --vram verdict at its edge: the longest context `fit --max-context` accepts under EDGE_VRAM
+# (with offload, fused attention as auto picks it, host embeddings), then trained there under the
+# same --vram; the device's maximum (nvidia-smi, every 100 ms) must stay inside the budget.
+if has_part edge; then
+  stamp edge
+  E="$WORK/edge"; mkdir -p "$E"
+  EDGE_VRAM=${EDGE_VRAM:-24GiB}
+  EDGE_FLAGS="--attn_implementation auto --offload_embeddings"
+  "$BIN_DIR/memtune" fit --model llama-3.1-8b --vram "$EDGE_VRAM" --max-context --json $EDGE_FLAGS > "$E/fit.json" 2> "$E/fit.log"
+  cat "$E/fit.json"
+  edge_seq=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['with_offload']['seq'])" "$E/fit.json" 2>/dev/null)
+  if [ -n "$edge_seq" ] && [ "$edge_seq" -gt 0 ]; then
+    nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 100 > "$E/smi.log" 2>&1 &
+    sampler=$!
+    timeout "${EDGE_TIMEOUT:-300}" "$BIN_DIR/memtune" train --device cuda --model llama-3.1-8b --load_in_4bit --bf16 \
+      --gradient_checkpointing --loss_implementation chunked --mlp_chunk_tokens 1024 --offload_activations $EDGE_FLAGS \
+      --batch 1 --accum 1 --seq "$edge_seq" --max_steps "${EDGE_STEPS:-2}" --vram "$EDGE_VRAM" \
+      --metrics "$E/metrics.jsonl" > "$E/train.log" 2>&1
+    rc=$?
+    kill $sampler 2>/dev/null; wait $sampler 2>/dev/null
+    peak=$(sort -n "$E/smi.log" | tail -1)
+    budget_mib=$(python3 -c "import sys; v=sys.argv[1]; print(int(float(v[:-3]) * (1024 if v.endswith('GiB') else 1)))" "$EDGE_VRAM")
+    echo "edge: train at seq $edge_seq under --vram $EDGE_VRAM exit $rc; nvidia-smi max $peak MiB of $budget_mib MiB" \
+         "($([ -n "$peak" ] && [ "$peak" -le "$budget_mib" ] && echo inside || echo OVER))"
+    grep -E "device memory in use|tokens/s|error" "$E/train.log" | tail -4
+    [ $rc -ne 0 ] && status=1
+  else
+    echo "edge: fit found no length"; cat "$E/fit.log"; status=1
+  fi
 fi
 
 # ---- the peers of issue 21 / issue 22: Unsloth, Liger, real data, longest context ----

@@ -7,6 +7,7 @@
 #include <functional>
 #include <map>
 #include <fstream>
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "cli_test_util.h"
@@ -290,7 +291,9 @@ TEST(CliPlan, VramAdviceOffersQloraAndAgreesWithFit) {
   const Result plan = run_memtune("plan --model llama-3.1-8b --bf16 --vram 12GiB");
   expect_refused(plan, "does not fit --vram 12GiB", "the README's refusal");
   EXPECT_NE(plan.output.find("--load_in_4bit (QLoRA"), std::string::npos) << plan.output;
-  EXPECT_NE(plan.output.find("memtune fit (the same plans) finds a run that fits"), std::string::npos) << plan.output;
+  // The advice and fit hold the same CUDA context reserve (ops/device.h) beside the plan.
+  EXPECT_NE(plan.output.find("memtune fit (the same plans with 640.0 MiB reserved for the CUDA context) finds a run "
+                             "that fits"), std::string::npos) << plan.output;
   EXPECT_EQ(plan.output.find("still does not fit"), std::string::npos) << plan.output;
   const Result fit = run_memtune("fit --model llama-3.1-8b --bf16 --vram 12GiB --context 0");
   EXPECT_EQ(fit.exit_code, 0) << fit.output;
@@ -371,6 +374,44 @@ TEST(CliPlan, TheCpuPlanIsWhatTheCpuEngineAllocatesAndJsonNamesUnitsAndFit) {
   EXPECT_EQ(refused["fits"], false) << over.output;
 }
 
+// A --vram budget holds the plan plus the device memory outside the arena (CUDA context,
+// library handles, lazily loaded kernels): a plan that fits only without that reserve is refused.
+TEST(CliPlan, TheVramVerdictCountsTheCudaContext) {
+  const nlohmann::json plan = nlohmann::json::parse(run_memtune("plan --json --seq 16").output);
+  const uint64_t arena = plan["peak_bytes"].get<uint64_t>(), reserve = uint64_t{640} << 20;
+  const auto verdict = [](const Result& r) {
+    const size_t error_at = r.output.find("memtune: error");
+    return nlohmann::json::parse(r.output.substr(0, error_at), nullptr, false);
+  };
+  const Result inside = run_memtune(fmt::format("plan --json --seq 16 --vram {}", arena + reserve));
+  EXPECT_EQ(inside.exit_code, 0) << inside.output;
+  EXPECT_EQ(verdict(inside)["fits"], true) << inside.output;
+  EXPECT_EQ(verdict(inside)["context_reserve_bytes"], reserve) << inside.output;
+  const Result arena_only = run_memtune(fmt::format("plan --json --seq 16 --vram {}", arena + reserve - 1));
+  EXPECT_EQ(arena_only.exit_code, 2) << arena_only.output;
+  EXPECT_EQ(verdict(arena_only)["fits"], false) << arena_only.output;
+  EXPECT_NE(arena_only.output.find("640.0 MiB context"), std::string::npos) << arena_only.output;
+  // On the CPU nothing lives outside the arena.
+  const Result cpu = run_memtune(fmt::format("plan --json --device cpu --seq 16 --vram {}", arena));
+  EXPECT_EQ(verdict(cpu)["context_reserve_bytes"], 0) << cpu.output;
+}
+
+// Past the model's max_position_embeddings a run goes on, with a warning, as transformers does;
+// fit --max-context searches past it and says when its answer is there.
+TEST(CliPlan, PastTheModelsPositionsWarnsAndGoesOn) {
+  const Result plan = run_memtune("plan --model tiny --seq 4096");  // tiny: 2048 positions
+  EXPECT_EQ(plan.exit_code, 0) << plan.output;
+  EXPECT_NE(plan.output.find("warning: --max_seq_length 4096 is past the model's max_position_embeddings 2048"),
+            std::string::npos) << plan.output;
+  EXPECT_EQ(run_memtune("plan --model tiny --seq 2048").output.find("max_position_embeddings"), std::string::npos);
+  const Result fit = run_memtune("fit --model tiny --vram 8GiB --max-context --json");
+  ASSERT_EQ(fit.exit_code, 0) << fit.output;
+  const nlohmann::json longest = nlohmann::json::parse(fit.output.substr(fit.output.find('{')));
+  EXPECT_GT(longest["with_offload"]["seq"].get<int64_t>(), 2048) << fit.output;
+  EXPECT_EQ(longest["with_offload"]["past_model_limit"], true) << fit.output;
+  EXPECT_EQ(longest["model_max_position_embeddings"], 2048) << fit.output;
+}
+
 TEST(CliTrain, StepsReplayedAfterAKillAreMarkedInTheMetrics) {
   const fs::path dir = scratch_dir("trust_replayed");
   const std::string data = text_data(dir);
@@ -402,6 +443,32 @@ TEST(CliTrain, StepsReplayedAfterAKillAreMarkedInTheMetrics) {
   EXPECT_GE(logged, 3);
   for (int64_t step = 1; step <= logged + 2; ++step)
     EXPECT_EQ(replayed[step], step > resumed_at && step <= logged ? 1 : 0) << "step " << step;
+}
+
+// train --profile times every op of the last step: the table on stderr, an op_profile record,
+// and that step marked and left out of the closing token totals (its timing serialises ops).
+TEST(CliTrain, ProfileTimesTheLastStepAndKeepsItOutOfTheTotals) {
+  const fs::path dir = scratch_dir("trust_profile");
+  const fs::path metrics = dir / "m.jsonl";
+  const Result r = run_memtune("train --device cpu --seq 16 --max_steps 3 --quiet --profile --metrics " + metrics.string());
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("op profile of the last step"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("matmul"), std::string::npos) << r.output;
+  int64_t profiled_step = 0, unprofiled_tokens = 0, profiles = 0, summary_tokens = -1;
+  for (const nlohmann::json& record : jsonl(metrics)) {
+    if (record["event"] == "step") {
+      if (record.value("profiled", false)) profiled_step = record["step"].get<int64_t>();
+      else unprofiled_tokens += record["tokens"].get<int64_t>();
+    }
+    if (record["event"] == "op_profile") {
+      ++profiles;
+      EXPECT_FALSE(record["op_profile"]["ops"].empty());
+    }
+    if (record["event"] == "summary") summary_tokens = record["tokens"].get<int64_t>();
+  }
+  EXPECT_EQ(profiled_step, 3);
+  EXPECT_EQ(profiles, 1);
+  EXPECT_EQ(summary_tokens, unprofiled_tokens);
 }
 
 }  // namespace

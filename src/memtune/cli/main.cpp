@@ -8,6 +8,7 @@
 #include <ctime>
 #include <fstream>
 #include <iostream>
+#include <optional>
 #include <set>
 
 #include "memtune/cli/run_options.h"
@@ -21,6 +22,7 @@
 #include "memtune/io/json_util.h"
 #include "memtune/model/llama_config.h"
 #include "memtune/ops/device.h"
+#include "memtune/ops/timed_backend.h"
 #include "memtune/plan/fit.h"
 #include "memtune/plan/plan_report.h"
 #include "memtune/report/ladder.h"
@@ -69,17 +71,19 @@ Tokenizer load_tokenizer(const std::string& path) {
 }
 
 // `plan` is one rank's when world_size > 1 (plan_run with world_size: what `memtune plan
-// --world_size N` prints as the per-rank arena), and the budget is per GPU.
+// --world_size N` prints as the per-rank arena), and the budget is per GPU. `context` is what the
+// device holds outside the arena (ops/device.h): the budget holds the plan plus it, so that a run
+// accepted here stays inside --vram as nvidia-smi counts it.
 void check_budget(const Plan& plan, const RunConfig& run, const LlamaConfig& model, const std::string& vram,
-                  int world_size = 1) {
+                  uint64_t context, int world_size = 1) {
   if (vram.empty()) return;
   const uint64_t budget = parse_bytes(vram);
-  if (plan.arena_bytes <= budget) return;
+  if (plan.arena_bytes + context <= budget) return;
   if (world_size > 1)
-    mt_fail("one rank of {} does not fit --vram {}: it plans {} per rank{}; {}", world_size, vram,
-            format_bytes(plan.arena_bytes), run.shard_base ? " with the base sharded" : "",
-            fit_advice(run, model, budget, 0, world_size));
-  mt_fail("run does not fit --vram {}: {}", vram, fit_advice(run, model, budget, 0));
+    mt_fail("one rank of {} does not fit --vram {}: it plans {} per rank{} + {} context; {}", world_size, vram,
+            format_bytes(plan.arena_bytes), run.shard_base ? " with the base sharded" : "", format_bytes(context),
+            fit_advice(run, model, budget, context, world_size));
+  mt_fail("run does not fit --vram {}: {}", vram, fit_advice(run, model, budget, context));
 }
 
 // The machine's available memory (MemAvailable of /proc/meminfo), 0 when it cannot be read.
@@ -422,6 +426,7 @@ int run_cli(int argc, char** argv) {
   train_cmd->add_option("--world_size", train_world_size, "several GPUs: the ranks expected from the launcher (torchrun's WORLD_SIZE, mpirun, srun); refused when it disagrees");
   train_cmd->add_flag("--shard_base", run.shard_base, "several GPUs: the frozen base sharded across the ranks and gathered one layer at a time (FSDP-QLoRA)");
   train_cmd->add_option("--metrics", metrics_path, "append one JSON line per step to this .jsonl file");
+  train_cmd->add_flag("--profile", profile, "time every op of the last step (a per-op table on stderr; that step is left out of the tokens/s totals)");
 
   CLI::App* eval_cmd = app.add_subcommand("eval", "print the mean loss on a JSONL file as JSON");
   add_run_options(*eval_cmd, run, flags);
@@ -432,7 +437,7 @@ int run_cli(int argc, char** argv) {
 
   CLI::App* fit_cmd = app.add_subcommand("fit", "find, from the plan, the fastest techniques and largest micro-batch that fit --vram");
   add_run_options(*fit_cmd, run, flags);
-  std::string context = "512MiB";
+  std::string context = fmt::format("{}MiB", kCudaContextReserveBytes >> 20);
   fit_cmd->add_option("--vram", vram, "budget, e.g. 24GiB")->required();
   fit_cmd->add_flag("--json", json, "with --max-context: print one JSON object");
   fit_cmd->add_option("--context", context, "CUDA context + library handles to reserve (the ladder measures it)")->capture_default_str();
@@ -596,6 +601,12 @@ int run_cli(int argc, char** argv) {
   }
   const ModelSource source = resolve_model(run.model);
   const LlamaConfig& model = source.config;
+  // Past the model's positions a run goes on, as transformers does, with a word about it.
+  if ((train_cmd->parsed() || plan_cmd->parsed()) && model.max_position_embeddings > 0 &&
+      run.max_seq_length > model.max_position_embeddings)
+    std::cerr << fmt::format("memtune: warning: --max_seq_length {} is past the model's max_position_embeddings {}: "
+                             "positions beyond it were never trained, and the quality there is unknown\n",
+                             run.max_seq_length, model.max_position_embeddings);
 
   // ---- several GPUs: how many ranks, and whether the base is sharded ----
   // plan: --world_size (default 1). train: the launcher's variables (launch_env.h); --world_size,
@@ -624,7 +635,8 @@ int run_cli(int argc, char** argv) {
 
   // Under --vram, an auto token-chunk size becomes the largest that fits (fit.h).
   if (!vram.empty() && (plan_cmd->parsed() || train_cmd->parsed()))
-    fit_token_chunks(run, model, parse_bytes(vram), 0, world_size);
+    fit_token_chunks(run, model, parse_bytes(vram), context_reserve_bytes(device == "cpu" ? Device::cpu : Device::cuda),
+                     world_size);
 
   if (plan_cmd->parsed() && world_size > 1) {
     MT_USER_CHECK(!json && !live_at_peak, "--world_size: --json and --live-at-peak are for one device only");
@@ -634,24 +646,27 @@ int run_cli(int argc, char** argv) {
     // Traced: with --shard_base the engine of one rank keeps its shards and two gather buffers.
     const Plan rank_plan = plan_run(run, model, Device::cuda, world_size);
     std::cout << format_rank_memory(single, rank_memory(rank_plan, world_size, run.shard_base));
-    check_budget(rank_plan, run, model, vram, world_size);
+    check_budget(rank_plan, run, model, vram, context_reserve_bytes(Device::cuda), world_size);
     return 0;
   }
   if (plan_cmd->parsed()) {
     MT_USER_CHECK(device == "auto" || device == "cpu" || device == "cuda", "--device {}: expected cpu, cuda or auto", device);
-    const Plan plan = plan_run(run, model, device == "cpu" ? Device::cpu : Device::cuda);
+    const Device planned_for = device == "cpu" ? Device::cpu : Device::cuda;
+    const Plan plan = plan_run(run, model, planned_for);
+    const uint64_t reserve = context_reserve_bytes(planned_for);
     if (json) {
       nlohmann::json out = plan_json(plan, run, model);
       if (!vram.empty()) {
         out["budget_bytes"] = parse_bytes(vram);
-        out["fits"] = plan.arena_bytes <= parse_bytes(vram);
+        out["context_reserve_bytes"] = reserve;
+        out["fits"] = plan.arena_bytes + reserve <= parse_bytes(vram);
       }
       std::cout << out.dump(2) << std::endl;  // whole on stdout before a refusal on stderr
     }
     else std::cout << format_plan(plan, run, model);
     if (live_at_peak && !json) std::cout << format_live_at_peak(plan);
     std::cout.flush();  // the plan, then (on stderr) a refusal
-    check_budget(plan, run, model, vram);
+    check_budget(plan, run, model, vram, reserve);
     return 0;
   }
 
@@ -662,7 +677,8 @@ int run_cli(int argc, char** argv) {
       for (const MaxContextResult* r : {&report.without_offload, &report.with_offload})
         out[r->offload_activations ? "with_offload" : "without_offload"] = {
             {"seq", r->seq}, {"planned_bytes", r->planned_bytes}, {"host_bytes", r->host_bytes},
-            {"at_model_limit", r->at_model_limit}};
+            {"at_search_limit", r->at_search_limit}, {"past_model_limit", r->past_model_limit}};
+      out["model_max_position_embeddings"] = model.max_position_embeddings;
       out["budget_bytes"] = parse_bytes(vram);
       out["context_bytes"] = parse_bytes(context);
       std::cout << out.dump(2) << "\n";
@@ -857,10 +873,14 @@ int run_cli(int argc, char** argv) {
     one_device.shard_base = false;
     std::cerr << format_rank_memory(plan_run(one_device, model), rank_memory(plan, launch.world_size, run.shard_base));
   }
-  check_budget(plan, run, model, vram, launch.world_size);
+  // The context as it is on this GPU once the backend's handles exist (+ the lazy-load margin).
+  check_budget(plan, run, model, vram, measured_context_reserve_bytes(*backend), launch.world_size);
   check_host_memory(plan, backend->device());
   const std::unique_ptr<Communicator> communicator = make_communicator(launch, backend->device());
-  PlannedEngine engine(*backend, run, model, communicator.get());
+  // --profile: the engine runs on a timing wrapper that the trainer switches on for the last step.
+  std::optional<TimedBackend> profiler;
+  if (profile) profiler.emplace(*backend);
+  PlannedEngine engine(profiler ? static_cast<Backend&>(*profiler) : *backend, run, model, communicator.get());
   if (!source.checkpoint_dir.empty()) engine->load_base_checkpoint(source.checkpoint_dir);
   else engine->init_random_weights(run.seed);
   engine->init_adapters(run.seed + 1);
@@ -881,6 +901,8 @@ int run_cli(int argc, char** argv) {
   options.eval_data_name = eval_name;
   options.metrics_path = metrics_path;
   options.planned_peak_bytes = plan.arena_bytes;
+  options.budget_bytes = vram.empty() ? 0 : parse_bytes(vram);
+  options.profiler = profiler ? &*profiler : nullptr;
   options.quiet = quiet;
   options.overwrite_output_dir = overwrite_output_dir;
   options.save_total_limit = save_total_limit;

@@ -62,6 +62,15 @@ uint64_t device_memory_total(const Backend& backend) {
   return 0;
 }
 
+uint64_t context_reserve_bytes(Device target) {
+  return target == Device::cuda ? kCudaContextReserveBytes : 0;
+}
+
+uint64_t measured_context_reserve_bytes(const Backend& backend) {
+  if (backend.device() != Device::cuda) return 0;
+  return device_memory_in_use(backend) + kLazyKernelReserveBytes;
+}
+
 std::string device_description(const Backend& backend) {
 #ifdef MEMTUNE_WITH_CUDA
   if (backend.device() == Device::cuda) {

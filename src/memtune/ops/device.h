@@ -24,6 +24,20 @@ std::unique_ptr<Backend> make_backend(const std::string& device);
 // library handles included), and the device's total; 0 on the CPU.
 uint64_t device_memory_in_use(const Backend& backend);
 uint64_t device_memory_total(const Backend& backend);
+// What a CUDA run holds on the device outside its arena: the CUDA context, the cuBLASLt and cuDNN
+// handles, and the kernels that CUDA's lazy module loading brings in on first use. A --vram
+// budget holds the plan plus this.
+// - Without a GPU at hand (plan, fit) a fixed reserve: the H200 context measured before any arena
+//   was 529 MiB (bench/NOTES.md, "Load-time scratch"), and a 131k/200k-token run grew by up to
+//   ~100 MiB past plan + context as kernels loaded (issue 21): 640 MiB holds both.
+// - A run on a GPU measures its context once its backend exists and adds the lazy-load margin.
+constexpr uint64_t kCudaContextReserveBytes = 640ull << 20;
+constexpr uint64_t kLazyKernelReserveBytes = 96ull << 20;
+// The reserve for a plan made for `target` without its device: 0 on the CPU.
+uint64_t context_reserve_bytes(Device target);
+// The reserve of a run on `backend`: the device memory in use now (context and handles) plus
+// kLazyKernelReserveBytes on a GPU; 0 on the CPU.
+uint64_t measured_context_reserve_bytes(const Backend& backend);
 // A short description for reports: "NVIDIA H200" or "cpu".
 std::string device_description(const Backend& backend);
 

@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "memtune/core/bytes.h"
@@ -107,7 +108,8 @@ FitResult fit_run(const RunConfig& base, const LlamaConfig& model, uint64_t budg
 RunConfig max_context_stack(const RunConfig& base, bool offload_activations) {
   RunConfig run = base;
   if (run.precision == Precision::fp32) run.precision = Precision::bf16;
-  run.attn_implementation = "flash";
+  // A fused kernel the run asked for (flash, or cuDNN: its backward workspace is larger) is kept.
+  if (run.attn_implementation == "eager") run.attn_implementation = "flash";
   run.loss_implementation = "chunked";
   run.gradient_checkpointing = true;
   run.load_in_4bit = true;
@@ -125,30 +127,38 @@ MaxContextResult max_context(const RunConfig& base, const LlamaConfig& model, ui
   RunConfig run = max_context_stack(base, offload_activations);
   MaxContextResult result;
   result.offload_activations = offload_activations;
-  const int64_t model_limit = std::min(model.max_position_embeddings > 0 ? model.max_position_embeddings : RunConfig::kMaxSeqLength,
-                                       RunConfig::kMaxSeqLength);
-  // The plan grows with seq: the longest fitting multiple of kContextStep (or the model's limit).
-  auto plan_at = [&](int64_t seq) {
-    run.max_seq_length = seq;
-    return plan_run(run, model);
+  // The plan grows with seq, so the longest fitting length is found in steps of kContextStep:
+  // first from the model's max_position_embeddings upward by doubling (past it only when it
+  // fits; plans of long runs take seconds each), then by bisection between the last length that
+  // fitted and the first that did not. RunConfig::kMaxSeqLength bounds the search.
+  const int64_t limit_steps = RunConfig::kMaxSeqLength / kContextStep;
+  const auto fits_at = [&](int64_t steps) {
+    run.max_seq_length = steps * kContextStep;
+    const Plan plan = plan_run(run, model);
+    if (plan.arena_bytes + context > budget) return false;
+    if (run.max_seq_length > result.seq) {
+      result.seq = run.max_seq_length;
+      result.past_model_limit = model.max_position_embeddings > 0 && result.seq > model.max_position_embeddings;
+      result.planned_bytes = plan.arena_bytes;
+      result.host_bytes = plan.host_bytes;
+    }
+    return true;
   };
-  auto record = [&](int64_t seq, const Plan& plan) {
-    result.seq = seq;
-    result.planned_bytes = plan.arena_bytes;
-    result.host_bytes = plan.host_bytes;
-  };
-  const Plan at_limit = plan_at(model_limit);
-  if (at_limit.arena_bytes + context <= budget) {
-    record(model_limit, at_limit);
-    result.at_model_limit = true;
-    return result;
+  int64_t low = 0;  // in steps: fits (0: nothing does)
+  int64_t high = std::clamp<int64_t>(model.max_position_embeddings / kContextStep, 1, limit_steps);  // first probe
+  while (fits_at(high)) {
+    low = high;
+    if (high == limit_steps) {
+      result.at_search_limit = true;
+      return result;
+    }
+    high = std::min(high * 2, limit_steps);
   }
-  int64_t low = 0, high = (model_limit - 1) / kContextStep;  // steps: low fits (0: none), high + 1 does not
-  while (low < high) {
-    const int64_t mid = low + (high - low + 1) / 2;
-    const Plan plan = plan_at(mid * kContextStep);
-    if (plan.arena_bytes + context <= budget) low = mid, record(mid * kContextStep, plan);
-    else high = mid - 1;
+  // low fits (or is 0), high does not.
+  while (high - low > 1) {
+    const int64_t mid = low + (high - low) / 2;
+    if (fits_at(mid)) low = mid;
+    else high = mid;
   }
   return result;
 }
@@ -160,22 +170,24 @@ MaxContextReport max_context_report(const RunConfig& base, const LlamaConfig& mo
   report.with_offload = max_context(base, model, budget, context, true);
   const RunConfig stack = max_context_stack(base, false);
   report.text = fmt::format(
-      "longest context at micro-batch 1 in {} ({} of it CUDA context), from the plan: {} + flash + "
+      "longest context at micro-batch 1 in {} ({} of it CUDA context), from the plan: {} + {} attention + "
       "chunked loss + gradient checkpointing + QLoRA ({}), token chunks of {}, LoRA r{}; searched in "
-      "steps of {} tokens up to the model's {}:\n",
-      format_bytes(budget), format_bytes(context), precision_name(stack.precision),
+      "steps of {} tokens up to {} (the model's max_position_embeddings: {}):\n",
+      format_bytes(budget), format_bytes(context), precision_name(stack.precision), stack.attn_implementation,
       quant_type_name(stack.quant.type), stack.mlp_chunk_tokens, stack.lora_r, kContextStep,
-      model.max_position_embeddings);
+      RunConfig::kMaxSeqLength, model.max_position_embeddings);
   for (const MaxContextResult* r : {&report.without_offload, &report.with_offload}) {
     const char* name = r->offload_activations ? "with --offload_activations" : "without offload";
     if (r->seq == 0) {
       report.text += fmt::format("  {:<28} nothing fits (not even {} tokens)\n", name, kContextStep);
       continue;
     }
-    report.text += fmt::format("  {:<28} {:>8} tokens: device {} (arena {} + context){}{}\n", name, r->seq,
+    report.text += fmt::format("  {:<28} {:>8} tokens: device {} (arena {} + context){}{}{}\n", name, r->seq,
                                format_bytes(r->planned_bytes + context), format_bytes(r->planned_bytes),
                                r->offload_activations ? fmt::format(", pinned host {}", format_bytes(r->host_bytes)) : "",
-                               r->at_model_limit ? "; the model's limit, not memory" : "");
+                               r->at_search_limit ? "; the search's limit, not memory" : "",
+                               r->past_model_limit ? "; past max_position_embeddings (warning: positions the "
+                                                     "model was not trained at)" : "");
   }
   return report;
 }

@@ -35,7 +35,9 @@ bool fit_token_chunks(RunConfig& run, const LlamaConfig& model, uint64_t budget_
 // The longest max_seq_length at micro-batch 1 whose plan plus the context fits the budget, with
 // the full memory stack: bf16 (fp16 when asked), flash attention, chunked loss, gradient
 // checkpointing, the 4-bit base, token chunks; the rest (LoRA, chunk sizes, quantization) from
-// `base`. Searched in steps of kContextStep tokens up to the model's max_position_embeddings.
+// `base`. Searched in steps of kContextStep tokens up to RunConfig::kMaxSeqLength: past the
+// model's max_position_embeddings a run goes on with a warning, as transformers does, and the
+// result says so (past_model_limit).
 constexpr int64_t kContextStep = 256;
 RunConfig max_context_stack(const RunConfig& base, bool offload_activations);
 struct MaxContextResult {
@@ -43,7 +45,8 @@ struct MaxContextResult {
   int64_t seq = 0;               // 0: not even kContextStep tokens fit
   uint64_t planned_bytes = 0;    // the arena at that seq
   uint64_t host_bytes = 0;       // pinned host memory at that seq (offload)
-  bool at_model_limit = false;   // the model's max_position_embeddings fits: it, not memory, limits
+  bool at_search_limit = false;  // RunConfig::kMaxSeqLength fits: it, not memory, limits
+  bool past_model_limit = false; // seq is past the model's max_position_embeddings
 };
 MaxContextResult max_context(const RunConfig& base, const LlamaConfig& model, uint64_t budget_bytes,
                              uint64_t context_bytes, bool offload_activations);

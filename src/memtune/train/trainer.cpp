@@ -7,10 +7,13 @@
 #include <fstream>
 #include <iostream>
 
+#include "memtune/core/bytes.h"
 #include "memtune/core/error.h"
 #include "memtune/data/sft_dataset.h"
 #include "memtune/io/json_util.h"
 #include "memtune/ops/backend.h"
+#include "memtune/ops/device.h"
+#include "memtune/ops/timed_backend.h"
 #include "memtune/report/progress.h"
 #include "memtune/train/run_settings.h"
 
@@ -412,10 +415,13 @@ TrainOutcome Trainer::run() {
   progress.start(static_cast<double>(run.max_steps - outcome.first_step));
   for (int64_t step = outcome.first_step; step < run.max_steps; ++step) {
     const std::vector<HostMicroBatch> batches = next_step_batches();
+    const bool profiled = options_.profiler != nullptr && step + 1 == run.max_steps;
+    if (profiled) options_.profiler->set_enabled(true);
     const auto start = std::chrono::steady_clock::now();
     const StepReport report = engine_.train_step(batches);
     engine_.backend().synchronize();
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (profiled) options_.profiler->set_enabled(false);
     const int64_t done = step + 1;
     // transformers' "epoch": epochs completed, fractional.
     const double epochs_done = static_cast<double>(position_.epoch) +
@@ -433,6 +439,7 @@ TrainOutcome Trainer::run() {
                              {"lr", report.learning_rate}, {"epoch", epochs_done},
                              {"grad_norm", std::isfinite(report.grad_norm) ? nlohmann::json(report.grad_norm) : nlohmann::json()}};
     if (fp16) record["skipped"] = report.skipped;
+    if (profiled) record["profiled"] = true;
     if (done <= replayed_until) record["replayed"] = true;  // logged before by the run this one resumes
     // fp16 overflows are the loss scaler's business (the step was skipped and the scale backed
     // off); in fp32 or bf16 a non-finite loss means the run has diverged or the data or weights
@@ -447,16 +454,23 @@ TrainOutcome Trainer::run() {
     outcome.losses.push_back(report.loss);
     health_.record(report);
     outcome.steps_done = done;
-    outcome.tokens.computed += report.tokens;
-    outcome.tokens.real += report.real_tokens;
-    outcome.tokens.targets += report.targets;
-    outcome.tokens.seconds += seconds;
+    if (!profiled) {
+      outcome.tokens.computed += report.tokens;
+      outcome.tokens.real += report.real_tokens;
+      outcome.tokens.targets += report.targets;
+      outcome.tokens.seconds += seconds;
+    }
     nlohmann::json line = {{"step", done}, {"loss", report.loss}, {"grad_norm", report.grad_norm},
                            {"lr", report.learning_rate}, {"tokens_per_second", report.real_tokens / seconds},
                            {"targets_per_second", report.targets / seconds}, {"padding_fraction", padding},
                            {"planned_peak_bytes", options_.planned_peak_bytes},
                            {"engine_peak_bytes", engine_.memory().allocator().high_water()},
                            {"skipped", report.skipped}};
+    if (const uint64_t in_use = device_memory_in_use(engine_.backend()); in_use > 0) {
+      line["device_in_use_bytes"] = in_use;
+      record["device_in_use_bytes"] = in_use;
+      outcome.device_in_use_max_bytes = std::max(outcome.device_in_use_max_bytes, in_use);
+    }
     if (eval_ != nullptr && options_.eval_steps > 0 && done % options_.eval_steps == 0) {
       const double eval_loss = run_eval(done);
       line["eval_loss"] = eval_loss;
@@ -516,6 +530,25 @@ TrainOutcome Trainer::run() {
                    {"tokens", t.real}, {"targets", t.targets}, {"computed_tokens", t.computed},
                    {"padding_fraction", t.padding_fraction()}, {"seconds", t.seconds},
                    {"tokens_per_second", t.real / t.seconds}, {"targets_per_second", t.targets / t.seconds}});
+  }
+  if (options_.profiler != nullptr && !options_.profiler->ops().empty()) {
+    err_ << "op profile of the last step (every op timed alone):\n" << options_.profiler->table() << "\n";
+    metrics.write({{"event", "op_profile"}, {"command", "train"}, {"step", outcome.steps_done},
+                   {"op_profile", options_.profiler->to_json()}});
+  }
+  if (outcome.device_in_use_max_bytes > 0) {
+    // The arena is allocated once, so what grows past plan + context is outside the plan: the
+    // kernels loaded on first use and the libraries' own allocations (ops/device.h).
+    const uint64_t budget = options_.budget_bytes;
+    err_ << fmt::format("device memory in use at most {} (arena {}){}\n", format_bytes(outcome.device_in_use_max_bytes),
+                        format_bytes(options_.planned_peak_bytes),
+                        budget == 0 ? ""
+                        : outcome.device_in_use_max_bytes <= budget
+                            ? fmt::format(", inside --vram {}", format_bytes(budget))
+                            : fmt::format("; WARNING: over --vram {} by {}, which the plan's verdict did not foresee",
+                                          format_bytes(budget), format_bytes(outcome.device_in_use_max_bytes - budget)));
+    metrics.write({{"event", "device_memory"}, {"device_in_use_max_bytes", outcome.device_in_use_max_bytes},
+                   {"planned_peak_bytes", options_.planned_peak_bytes}, {"budget_bytes", budget}});
   }
   err_ << "memtune: " << health_.summary() << "\n";
   if (health_.failing(/*at_end=*/true)) fail_for_step_health(metrics, progress);

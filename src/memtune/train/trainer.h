@@ -42,6 +42,8 @@
 
 namespace memtune {
 
+class TimedBackend;  // ops/timed_backend.h
+
 enum class Padding : uint8_t { longest, max_length };  // the tokenizer / collator's padding names
 
 class MetricsLog;
@@ -72,9 +74,16 @@ struct TrainerOptions {
   std::string train_data_name, eval_data_name;  // for the report; empty: synthetic / none
   std::string metrics_path;           // JSONL of data, step, eval and checkpoint events
   uint64_t planned_peak_bytes = 0;    // reported per step beside the engine's own peak
+  // --vram (0: none). On a GPU each step also records the device memory in use (nvidia-smi's
+  // figure); the summary holds its maximum against the budget, and says so when it is over.
+  uint64_t budget_bytes = 0;
   bool quiet = false;           // no per-step stdout lines and no progress line
   int32_t pad_id = 0;           // the padding's value cannot change the loss (causal, -100)
   bool handle_signals = true;   // SIGINT / SIGTERM stop after the current step
+  // train --profile: the engine runs on this wrapper of its backend, which times every op of the
+  // run's last step (marked "profiled" in the metrics and left out of the token totals, since the
+  // timing serialises the device); the per-op table goes to stderr and an "op_profile" record.
+  TimedBackend* profiler = nullptr;
   // Called after each step's line is written (tests: simulate an interrupt with raise()).
   std::function<void(int64_t step, const StepReport& report)> after_step;
 };
@@ -100,6 +109,7 @@ struct TrainOutcome {
   int stop_signal = 0;
   int64_t first_step = 0, steps_done = 0;
   TokenTotals tokens;
+  uint64_t device_in_use_max_bytes = 0;                    // 0 on the CPU
   std::vector<double> losses;                               // this run's steps
   std::vector<std::pair<int64_t, double>> eval_losses;      // (step, mean eval loss)
 };
