@@ -14,9 +14,9 @@
 #include "memtune/core/bytes.h"
 #include "memtune/data/jsonl_dataset.h"
 #include "memtune/data/sft_dataset.h"
-#include "memtune/dist/sharded_base.h"
-#include "memtune/dist/communicator.h"
-#include "memtune/dist/launch_env.h"
+#include "memtune/parallel/sharded_base.h"
+#include "memtune/parallel/communicator.h"
+#include "memtune/parallel/launch_env.h"
 #include "memtune/io/file_util.h"
 #include "memtune/io/json_util.h"
 #include "memtune/model/llama_config.h"
@@ -752,7 +752,7 @@ int run_cli(int argc, char** argv) {
     return 0;
   }
 
-  // Several GPUs (dist/): one process per GPU from torchrun / mpirun / srun; its GPU first.
+  // Several GPUs (parallel/): one process per GPU from torchrun / mpirun / srun; its GPU first.
   const LaunchEnv launch = launch_env_from_process();
   select_local_cuda_device(launch);
   std::unique_ptr<Backend> backend = make_backend(device);

@@ -5,8 +5,8 @@
 #include <fstream>
 
 #include "memtune/core/error.h"
-#include "memtune/dist/data_parallel.h"
-#include "memtune/dist/sharded_base.h"
+#include "memtune/parallel/data_parallel.h"
+#include "memtune/parallel/sharded_base.h"
 #include "memtune/io/file_util.h"
 #include "memtune/io/json_util.h"
 #include "memtune/io/safetensors.h"

@@ -1,7 +1,7 @@
 // ZeRO-1: shard boundaries, and the sharded update (reduce-scatter or all-reduce, AdamW on the
 // shard, all-gather) over the in-process communicator gives exactly the parameters of one
 // unsharded AdamW over the summed grads.
-#include "memtune/dist/zero_shard.h"
+#include "memtune/parallel/zero_shard.h"
 
 #include <gtest/gtest.h>
 

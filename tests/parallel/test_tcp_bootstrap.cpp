@@ -1,6 +1,6 @@
 // The TCP bootstrap between threads on localhost: the blob reaches every rank, a missing rank 0
 // is a timeout with a clear error, and a rank that dies mid-exchange is an error on the others.
-#include "memtune/dist/tcp_bootstrap.h"
+#include "memtune/parallel/tcp_bootstrap.h"
 
 #include <gtest/gtest.h>
 

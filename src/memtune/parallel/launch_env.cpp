@@ -1,4 +1,4 @@
-#include "memtune/dist/launch_env.h"
+#include "memtune/parallel/launch_env.h"
 
 #include <charconv>
 #include <cstdlib>

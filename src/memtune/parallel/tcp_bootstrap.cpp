@@ -1,4 +1,4 @@
-#include "memtune/dist/tcp_bootstrap.h"
+#include "memtune/parallel/tcp_bootstrap.h"
 
 #include <arpa/inet.h>
 #include <fcntl.h>

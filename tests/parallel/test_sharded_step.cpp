@@ -3,7 +3,7 @@
 // in time, and the numbers are those of the replicated base: bit for bit against the same ranks
 // with the whole base, and within fp32 tolerance against one rank with all the micro-batches
 // (the data-parallel sum over ranks adds in another order than one rank's accumulation).
-#include "memtune/dist/sharded_base.h"
+#include "memtune/parallel/sharded_base.h"
 
 #include <gtest/gtest.h>
 

@@ -1,4 +1,4 @@
-#include "memtune/dist/data_parallel.h"
+#include "memtune/parallel/data_parallel.h"
 
 #include "memtune/core/error.h"
 

@@ -19,7 +19,7 @@
 #endif
 
 #include "memtune/core/error.h"
-#include "memtune/dist/communicator.h"
+#include "memtune/parallel/communicator.h"
 
 namespace memtune::disttest {
 

@@ -1,5 +1,5 @@
 // Launch environments of torchrun, Open MPI, PMI and Slurm, and the errors for bad ones.
-#include "memtune/dist/launch_env.h"
+#include "memtune/parallel/launch_env.h"
 
 #include <gtest/gtest.h>
 

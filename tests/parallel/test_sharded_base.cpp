@@ -1,6 +1,6 @@
 // The sharded frozen base: per-unit layout from the plan's records (NF4 codes, absmax, nested
 // constants; or 16-bit weights), the double-buffered gather schedule, and per-rank memory.
-#include "memtune/dist/sharded_base.h"
+#include "memtune/parallel/sharded_base.h"
 
 #include <gtest/gtest.h>
 

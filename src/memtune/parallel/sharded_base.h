@@ -25,7 +25,7 @@
 #include <vector>
 
 #include "memtune/core/memory.h"
-#include "memtune/dist/communicator.h"
+#include "memtune/parallel/communicator.h"
 #include "memtune/model/model_weights.h"
 #include "memtune/ops/backend.h"
 #include "memtune/step/frozen_base.h"

@@ -2,7 +2,7 @@
 //
 // Why a folder of its own: data parallelism cuts across train/ (the loop and the engine), lora/
 // (the adapter state that is reduced and sharded) and plan/ (per-rank memory), and it brings a
-// transport (NCCL) and a bootstrap (TCP) that nothing else needs. Keeping it in dist/ leaves
+// transport (NCCL) and a bootstrap (TCP) that nothing else needs. Keeping it in parallel/ leaves
 // world_size == 1 exactly as it was and keeps the NCCL dependency in one file.
 //
 //   launch_env.h       rank / world / master address from the launcher's variables

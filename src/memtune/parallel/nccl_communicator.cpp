@@ -15,9 +15,9 @@
 #include <vector>
 
 #include "memtune/core/error.h"
-#include "memtune/dist/communicator.h"
-#include "memtune/dist/launch_env.h"
-#include "memtune/dist/tcp_bootstrap.h"
+#include "memtune/parallel/communicator.h"
+#include "memtune/parallel/launch_env.h"
+#include "memtune/parallel/tcp_bootstrap.h"
 
 namespace memtune {
 namespace {

@@ -1,4 +1,4 @@
-#include "memtune/dist/zero_shard.h"
+#include "memtune/parallel/zero_shard.h"
 
 #include <algorithm>
 

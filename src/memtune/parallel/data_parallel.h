@@ -22,9 +22,9 @@
 #include <utility>
 
 #include "memtune/core/memory.h"
-#include "memtune/dist/communicator.h"
-#include "memtune/dist/grad_buckets.h"
-#include "memtune/dist/zero_shard.h"
+#include "memtune/parallel/communicator.h"
+#include "memtune/parallel/grad_buckets.h"
+#include "memtune/parallel/zero_shard.h"
 #include "memtune/lora/lora_state.h"
 #include "memtune/ops/backend.h"
 

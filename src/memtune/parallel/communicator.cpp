@@ -1,4 +1,4 @@
-#include "memtune/dist/communicator.h"
+#include "memtune/parallel/communicator.h"
 
 #include <cstring>
 
@@ -7,7 +7,7 @@
 #endif
 
 #include "memtune/core/error.h"
-#include "memtune/dist/launch_env.h"
+#include "memtune/parallel/launch_env.h"
 
 namespace memtune {
 namespace {

@@ -1,7 +1,7 @@
 // The data-parallel step on the CPU: 2 ranks (threads, in-process communicator) give the same
 // adapters as 1 rank with twice the accumulation, through the engine and through the trainer;
 // the plan of a rank equals what it allocates; a rank that stops makes the others fail clearly.
-#include "memtune/dist/data_parallel.h"
+#include "memtune/parallel/data_parallel.h"
 
 #include <gtest/gtest.h>
 
@@ -9,7 +9,7 @@
 #include <sstream>
 
 #include "memtune/data/sft_dataset.h"
-#include "memtune/dist/launch_env.h"
+#include "memtune/parallel/launch_env.h"
 #include "memtune/train/engine_arena.h"
 #include "memtune/train/trainer.h"
 #include "../train/engine_test_util.h"

@@ -1,4 +1,4 @@
-#include "memtune/dist/grad_buckets.h"
+#include "memtune/parallel/grad_buckets.h"
 
 #include <algorithm>
 #include <limits>

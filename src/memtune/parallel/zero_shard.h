@@ -21,7 +21,7 @@
 #include <vector>
 
 #include "memtune/core/tensor.h"
-#include "memtune/dist/communicator.h"
+#include "memtune/parallel/communicator.h"
 #include "memtune/ops/backend.h"
 
 namespace memtune {

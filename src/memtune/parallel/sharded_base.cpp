@@ -1,4 +1,4 @@
-#include "memtune/dist/sharded_base.h"
+#include "memtune/parallel/sharded_base.h"
 
 #include <algorithm>
 #include <limits>
@@ -8,7 +8,7 @@
 
 #include "memtune/core/bytes.h"
 #include "memtune/core/error.h"
-#include "memtune/dist/zero_shard.h"
+#include "memtune/parallel/zero_shard.h"
 
 namespace memtune {
 namespace {

@@ -1,6 +1,6 @@
 // Grad buckets: whole layers, last layer first, closed at the size cap, one contiguous range
 // each; the readiness bookkeeping says when a bucket can be all-reduced.
-#include "memtune/dist/grad_buckets.h"
+#include "memtune/parallel/grad_buckets.h"
 
 #include <gtest/gtest.h>
 
