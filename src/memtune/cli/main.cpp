@@ -34,7 +34,7 @@
 // merge, generate, logits
 #include "memtune/data/chat_template.h"
 #include "memtune/io/safetensors.h"
-#include "memtune/model/merge.h"
+#include "memtune/lora/merge.h"
 #include "memtune/quant/bnb_format.h"
 #include "memtune/step/llama_generate.h"
 

@@ -10,7 +10,7 @@
 #include "memtune/io/file_util.h"
 #include "memtune/io/json_util.h"
 #include "memtune/io/safetensors.h"
-#include "memtune/model/merge.h"
+#include "memtune/lora/merge.h"
 #include "memtune/ops/device.h"
 #include "memtune/train/output_dir.h"
 

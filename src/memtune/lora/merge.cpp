@@ -1,4 +1,4 @@
-#include "memtune/model/merge.h"
+#include "memtune/lora/merge.h"
 
 #include <unistd.h>
 
