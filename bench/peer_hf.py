@@ -31,7 +31,7 @@ from peer_common import (TARGET_MODULES, apply_memory_cap, run_max_context,  # n
                          SmiSampler, add_shared_args, check_shared_args)
 
 TRICKS = ["bf16", "gradient_checkpointing", "flash", "qlora", "chunked_loss", "micro_batch", "seq_halved"]
-# The labels memtune's ladder shows (src/memtune/report/ladder.cpp), so rows line up by name too.
+# The labels memtune's ladder shows (src/memtune/experiment/ladder.cpp), so rows line up by name too.
 LABELS = {
     "": "fp16 baseline",
     "bf16": "+ bf16",

@@ -11,7 +11,7 @@
 #include "memtune/data/sft_dataset.h"
 #include "memtune/io/json_util.h"
 #include "memtune/ops/backend.h"
-#include "memtune/report/progress.h"
+#include "memtune/core/progress.h"
 #include "memtune/train/run_settings.h"
 
 namespace memtune {

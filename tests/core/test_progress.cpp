@@ -14,7 +14,7 @@
 
 #include "memtune/core/error.h"
 #include "memtune/io/file_util.h"
-#include "memtune/report/progress.h"
+#include "memtune/core/progress.h"
 
 using namespace memtune;
 namespace fs = std::filesystem;

@@ -1,4 +1,4 @@
-#include "memtune/report/progress.h"
+#include "memtune/core/progress.h"
 
 #include <fcntl.h>
 #include <unistd.h>

@@ -10,13 +10,13 @@
 
 #include "memtune/core/error.h"
 #include "memtune/io/file_util.h"
-#include "memtune/report/sweep.h"
+#include "memtune/experiment/sweep.h"
 
 using namespace memtune;
 using nlohmann::json;
 namespace fs = std::filesystem;
 
-namespace memtune::report_test {  // report_test_util.cpp
+namespace memtune::report_test {  // tests/report/report_test_util.cpp
 std::vector<std::vector<std::string>> parse_csv(std::string_view text);
 std::string xml_well_formedness_error(std::string_view xml);
 int python_minidom_check(const fs::path& file);

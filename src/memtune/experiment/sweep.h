@@ -8,7 +8,7 @@
 //   config (the base run), model, device, device_context_bytes, budget_bytes, commit, date,
 //   device_peak_flops (+ _device, _source), mfu_definition,
 //   points: one per (value, attention implementation), in that order: the ladder's rung fields
-//     (report/measure.h: planned, planned_peak_bytes, attention_bytes, measured, engine_peak_bytes,
+//     (experiment/measure.h: planned, planned_peak_bytes, attention_bytes, measured, engine_peak_bytes,
 //     device_peak_bytes, tokens_per_second, mfu, ...) plus value and attn_implementation,
 //   growth: per implementation and consecutive pair of values: from, to, value_ratio,
 //     attention_bytes_ratio, planned_peak_ratio (4x attention bytes for 2x seq is quadratic).

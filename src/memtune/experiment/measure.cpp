@@ -1,4 +1,4 @@
-#include "memtune/report/measure.h"
+#include "memtune/experiment/measure.h"
 
 #include <fmt/format.h>
 

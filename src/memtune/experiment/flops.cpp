@@ -1,4 +1,4 @@
-#include "memtune/report/flops.h"
+#include "memtune/experiment/flops.h"
 
 #include <fmt/format.h>
 

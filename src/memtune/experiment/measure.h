@@ -13,8 +13,8 @@
 
 #include "memtune/core/tensor.h"
 #include "memtune/model/llama_config.h"
-#include "memtune/report/flops.h"
-#include "memtune/report/progress.h"
+#include "memtune/experiment/flops.h"
+#include "memtune/core/progress.h"
 #include "memtune/train/engine.h"
 
 namespace memtune {

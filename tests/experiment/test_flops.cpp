@@ -3,7 +3,7 @@
 #include <gtest/gtest.h>
 
 #include "memtune/model/llama_config.h"
-#include "memtune/report/flops.h"
+#include "memtune/experiment/flops.h"
 
 using namespace memtune;
 

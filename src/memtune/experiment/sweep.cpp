@@ -1,4 +1,4 @@
-#include "memtune/report/sweep.h"
+#include "memtune/experiment/sweep.h"
 
 #include <fmt/format.h>
 
@@ -14,8 +14,8 @@
 #include "memtune/io/json_util.h"
 #include "memtune/model/llama_config.h"
 #include "memtune/plan/plan_report.h"
-#include "memtune/report/measure.h"
-#include "memtune/report/progress.h"
+#include "memtune/experiment/measure.h"
+#include "memtune/core/progress.h"
 #include "memtune/report/svg.h"
 
 namespace memtune {

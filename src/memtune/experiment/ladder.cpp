@@ -1,4 +1,4 @@
-#include "memtune/report/ladder.h"
+#include "memtune/experiment/ladder.h"
 
 #include <fmt/format.h>
 
@@ -11,8 +11,8 @@
 #include "memtune/model/llama_config.h"
 #include "memtune/ops/backend.h"
 #include "memtune/plan/plan_report.h"
-#include "memtune/report/measure.h"
-#include "memtune/report/progress.h"
+#include "memtune/experiment/measure.h"
+#include "memtune/core/progress.h"
 
 namespace memtune {
 namespace {
