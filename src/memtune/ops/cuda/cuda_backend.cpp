@@ -13,6 +13,7 @@
 
 #include "memtune/ops/cuda/cuda_check.h"
 #include "memtune/quant/codebook.h"  // quant4bit: the reference's constants
+#include "memtune/quant/codebook_shared.h"
 #include "memtune/ops/device.h"
 #include "memtune/ops/ragged_attention.h"
 
@@ -782,15 +783,7 @@ const cuda::Quant4bitTables& quant4bit_tables(QuantType type) {
     std::copy(nf4_thresholds().begin(), nf4_thresholds().end(), tables.nf4_thresholds);
     const std::array<float, 7>& fp4 = fp4_magnitude_thresholds();
     std::copy(fp4.begin(), fp4.end(), tables.fp4_thresholds);
-    // The magnitude code for each rank, read off the reference itself: rank 0 is 0.0, rank r the
-    // float just above threshold r - 1 (which exceeds exactly r thresholds).
-    for (int rank = 0; rank < 8; ++rank) {
-      const float x = rank == 0 ? 0.0f : std::nextafter(fp4[rank - 1], 2.0f);
-      MT_ASSERT(rank == 7 || x < fp4[rank], "fp4 thresholds too close");
-      const uint32_t code = fp4_quantize_scaled(x);
-      MT_ASSERT(code < 8, "fp4 code {} of a positive value", code);
-      tables.fp4_code_by_rank |= code << (4 * rank);
-    }
+    tables.fp4_code_by_rank = codebook::kFp4CodeByRankPacked;
     return tables;
   };
   static const cuda::Quant4bitTables nf4 = build(QuantType::nf4);
