@@ -244,18 +244,6 @@ TEST_F(CudaAttentionTest, TimingPrintFlashVsEager) {
   const double flash_bwd = time_ms([&] {
     gpu().attention_flash_backward(dq, dk, dv, delta, dq_accum, d_out, out, lse, q, k, v, none, dims);
   });
-  // The previous backward (MEMTUNE_FLASH_BWD=v1) in the same run, for the A/B.
-  const cuda::FlashVersions versions = cuda::flash_versions();
-  cuda::FlashVersions v1 = versions;
-  v1.backward_v1 = true;
-  cuda::set_flash_versions(v1);
-  const double flash_v1_bwd = time_ms([&] {
-    gpu().attention_flash_backward(dq, dk, dv, delta, dq_accum, d_out, out, lse, q, k, v, none, dims);
-  });
-  v1.forward_v1 = true;
-  cuda::set_flash_versions(v1);
-  const double flash_v1_fwd = time_ms([&] { gpu().attention_flash_forward(out, lse, q, k, v, none, dims); });
-  cuda::set_flash_versions(versions);
   const double eager_fwd = time_ms([&] { gpu().attention_eager_forward(out, probs, scores, q, k, v, none, dims); });
   const double eager_bwd = time_ms([&] {
     gpu().attention_eager_backward(dq, dk, dv, scores, d_out, probs, q, k, v, none, dims);
@@ -268,10 +256,6 @@ TEST_F(CudaAttentionTest, TimingPrintFlashVsEager) {
   std::printf("  flash fwd %8.3f ms %7.1f TFLOP/s | bwd %8.3f ms %7.1f TFLOP/s | fwd+bwd %7.1f TFLOP/s\n",
               flash_fwd, tflops(fwd_flops, flash_fwd), flash_bwd, tflops(bwd_flops, flash_bwd),
               tflops(fwd_flops + bwd_flops, flash_fwd + flash_bwd));
-  std::printf("  flash-v1 fwd %8.3f ms %7.1f TFLOP/s | bwd %8.3f ms %7.1f TFLOP/s | fwd+bwd %7.1f TFLOP/s"
-              " (forward v1 and backward v1)\n",
-              flash_v1_fwd, tflops(fwd_flops, flash_v1_fwd), flash_v1_bwd, tflops(bwd_flops, flash_v1_bwd),
-              tflops(fwd_flops + bwd_flops, flash_v1_fwd + flash_v1_bwd));
   std::printf("  eager fwd %8.3f ms %7.1f TFLOP/s | bwd %8.3f ms %7.1f TFLOP/s | fwd+bwd %7.1f TFLOP/s\n",
               eager_fwd, tflops(fwd_flops, eager_fwd), eager_bwd, tflops(bwd_flops, eager_bwd),
               tflops(fwd_flops + bwd_flops, eager_fwd + eager_bwd));
@@ -311,7 +295,6 @@ TEST_F(CudaAttentionTest, TimingPrintFlashForwardVariants) {
   add("keys64 slack8", [](cuda::FlashVersions& v) { v.forward_keys = 64; v.forward_rescale_slack = 8; });
   add("keys32 grid-per-head", [](cuda::FlashVersions& v) { v.forward_keys = 32; v.forward_grid_per_head = true; });
   add("keys64 grid-per-head", [](cuda::FlashVersions& v) { v.forward_keys = 64; v.forward_grid_per_head = true; });
-  add("v1", [](cuda::FlashVersions& v) { v.forward_v1 = true; });
   const double fwd_flops = 4.0 * static_cast<double>(c.batch) * c.heads * c.seq * c.seq / 2.0 * c.head_dim;
   std::printf("TIMING flash forward variants b8 s2048 h32/8 d128 bf16 causal (median of 7):\n");
   for (const Variant& variant : variants) {
