@@ -11,16 +11,12 @@
 #include "memtune/core/error.h"
 #include "memtune/io/file_util.h"
 #include "memtune/experiment/sweep.h"
+#include "../report/report_test_util.h"
 
 using namespace memtune;
 using nlohmann::json;
 namespace fs = std::filesystem;
 
-namespace memtune::report_test {  // tests/report/report_test_util.cpp
-std::vector<std::vector<std::string>> parse_csv(std::string_view text);
-std::string xml_well_formedness_error(std::string_view xml);
-int python_minidom_check(const fs::path& file);
-}  // namespace memtune::report_test
 using namespace memtune::report_test;
 
 namespace {
@@ -43,12 +39,6 @@ std::map<std::pair<std::string, int64_t>, const json*> by_point(const json& swee
   std::map<std::pair<std::string, int64_t>, const json*> out;
   for (const json& p : sweep["points"]) out[{p["attn_implementation"], p["value"]}] = &p;
   return out;
-}
-
-size_t count_of(std::string_view haystack, std::string_view needle) {
-  size_t count = 0;
-  for (size_t pos = haystack.find(needle); pos != std::string_view::npos; pos = haystack.find(needle, pos + 1)) ++count;
-  return count;
 }
 
 }  // namespace

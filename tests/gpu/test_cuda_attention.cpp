@@ -14,6 +14,7 @@
 #include "gpu_timing.h"
 #include "memtune/ops/cuda/attention_flash.h"
 #include "memtune/ops/cuda/cuda_ops.h"
+#include "../support/attention_setup.h"
 
 namespace memtune::gputest {
 namespace {
@@ -34,17 +35,6 @@ std::string label(const Config& c, DType type) {
          std::to_string(c.head_dim) + (c.segments ? " segs " : " ") +
          (c.q_range != 1.5 ? "q" + std::to_string(static_cast<int>(c.q_range)) + " " : "") +
          optest::dtype_label(type);
-}
-
-AttentionDims dims_of(const Config& c) {
-  AttentionDims dims;
-  dims.batch = c.batch;
-  dims.seq = c.seq;
-  dims.n_heads = c.heads;
-  dims.n_kv_heads = c.kv_heads;
-  dims.head_dim = c.head_dim;
-  dims.scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
-  return dims;
 }
 
 // Packed rows: segments of random lengths (1 to seq / 2) in each batch row.
@@ -92,7 +82,7 @@ class CudaAttentionTest : public CudaTest {
   }
 
   Grads gpu_flash(const Config& c, const Inputs& in) {
-    const AttentionDims dims = dims_of(c);
+    const AttentionDims dims = test::attention_dims_of(c);
     const DType type = in.q.dtype;
     DeviceTensor q = upload(in.q), k = upload(in.k), v = upload(in.v), d_out = upload(in.d_out);
     DeviceTensor seg_holder;
@@ -107,7 +97,7 @@ class CudaAttentionTest : public CudaTest {
   }
 
   Grads gpu_eager(const Config& c, const Inputs& in) {
-    const AttentionDims dims = dims_of(c);
+    const AttentionDims dims = test::attention_dims_of(c);
     const DType type = in.q.dtype;
     DeviceTensor q = upload(in.q), k = upload(in.k), v = upload(in.v), d_out = upload(in.d_out);
     DeviceTensor seg_holder;
@@ -121,7 +111,7 @@ class CudaAttentionTest : public CudaTest {
   }
 
   Grads cpu_attention(const Config& c, const Inputs& in, bool flash) {
-    const AttentionDims dims = dims_of(c);
+    const AttentionDims dims = test::attention_dims_of(c);
     const DType type = in.q.dtype;
     const Tensor seg = in.segments.storage.empty() ? Tensor{} : in.segments.tensor();
     HostTensor out(type, in.q.shape), dq(type, in.q.shape), dk(type, in.k.shape), dv(type, in.k.shape);
@@ -229,7 +219,7 @@ TEST_F(CudaAttentionTest, Bf16FlashWithinTwiceEagerError) {
 // run's attention shape (seq 2048, 32 heads / 8 kv heads, head_dim 128, bf16, batch 8).
 TEST_F(CudaAttentionTest, TimingPrintFlashVsEager) {
   const Config c{8, 2048, 32, 8, 128, false};
-  const AttentionDims dims = dims_of(c);
+  const AttentionDims dims = test::attention_dims_of(c);
   const Inputs in = make_inputs(c, DType::bf16, rng_);
   DeviceTensor q = upload(in.q), k = upload(in.k), v = upload(in.v), d_out = upload(in.d_out);
   DeviceTensor out(gpu(), DType::bf16, in.q.shape), lse(gpu(), DType::f32, Shape{c.batch * c.heads * c.seq});
@@ -266,7 +256,7 @@ TEST_F(CudaAttentionTest, TimingPrintFlashVsEager) {
 // also held against the default's (the variants differ only in rounding).
 TEST_F(CudaAttentionTest, TimingPrintFlashForwardVariants) {
   const Config c{8, 2048, 32, 8, 128, false};
-  const AttentionDims dims = dims_of(c);
+  const AttentionDims dims = test::attention_dims_of(c);
   const Inputs in = make_inputs(c, DType::bf16, rng_);
   DeviceTensor q = upload(in.q), k = upload(in.k), v = upload(in.v);
   DeviceTensor out(gpu(), DType::bf16, in.q.shape), lse(gpu(), DType::f32, Shape{c.batch * c.heads * c.seq});

@@ -12,30 +12,14 @@
 #include "memtune/parallel/launch_env.h"
 #include "memtune/train/engine_arena.h"
 #include "memtune/train/trainer.h"
-#include "../train/engine_test_util.h"
+#include "../support/engine_setup.h"
 #include "inprocess_communicator.h"
 
 using namespace memtune;
 
 namespace {
 
-using enginetest::adapter_values;
-using enginetest::init_with_nonzero_b;
-using enginetest::rel_error;
-using enginetest::small_model;
-using enginetest::small_run;
-
-Dataset random_dataset(const std::vector<int>& lengths, uint64_t seed) {
-  Dataset data;
-  for (size_t i = 0; i < lengths.size(); ++i) {
-    Sample s;
-    for (int t = 0; t < lengths[i]; ++t) s.input_ids.push_back(static_cast<int32_t>(dropout_hash(seed, i * 1000 + t) % 300));
-    s.labels = s.input_ids;
-    if (i % 3 == 0) s.labels[0] = s.labels[1] = -100;
-    data.samples.push_back(std::move(s));
-  }
-  return data;
-}
+using namespace enginetest;  // the shared engine set-up (tests/support/engine_setup.h)
 
 }  // namespace
 
@@ -183,7 +167,7 @@ TEST(DataParallel, TrainerOnTwoRanksEqualsOneRankWithTwiceTheAccumulation) {
   const LlamaConfig model = small_model();
   // 11 rows, 2 per micro-batch: 6 micro-batches an epoch, so a 4-micro-batch step leaves a
   // remainder step of 2 (one each) and a rank can get fewer micro-batches than another.
-  const Dataset data = random_dataset({10, 7, 12, 9, 5, 11, 8, 6, 12, 4, 9}, 5);
+  const Dataset data = seeded_dataset({10, 7, 12, 9, 5, 11, 8, 6, 12, 4, 9}, 5);
   RunConfig run = small_run();
   run.max_steps = 4;
   run.lora_dropout = 0.1;

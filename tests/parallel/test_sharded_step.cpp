@@ -8,17 +8,14 @@
 #include <gtest/gtest.h>
 
 #include "memtune/train/engine_arena.h"
-#include "../train/engine_test_util.h"
+#include "../support/engine_setup.h"
 #include "inprocess_communicator.h"
 
 using namespace memtune;
 
 namespace {
 
-using enginetest::adapter_grads;
-using enginetest::adapter_values;
-using enginetest::init_with_nonzero_b;
-using enginetest::rel_error;
+using namespace enginetest;  // the shared engine set-up (tests/support/engine_setup.h)
 
 LlamaConfig three_layer_model() {
   LlamaConfig c = enginetest::small_model();

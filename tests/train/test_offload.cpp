@@ -9,7 +9,7 @@
 #include <deque>
 #include <cstring>
 
-#include "engine_test_util.h"
+#include "../support/engine_setup.h"
 #include "memtune/core/error.h"
 #include "memtune/model/llama_config.h"
 #include "memtune/ops/backend.h"

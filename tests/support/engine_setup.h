@@ -6,6 +6,7 @@
 #include <cmath>
 #include <vector>
 
+#include "memtune/data/jsonl_dataset.h"
 #include "memtune/model/llama_config.h"
 #include "memtune/ops/backend.h"
 #include "memtune/train/engine.h"
@@ -46,6 +47,21 @@ inline std::vector<HostMicroBatch> random_batches(const LlamaConfig& model, cons
     out.push_back(make_micro_batch(ids, ids, run.max_seq_length));
   }
   return out;
+}
+
+// Samples of the given lengths with seeded ids below small_model()'s vocabulary; every third one
+// has a 2-token prompt (labels -100).
+inline Dataset seeded_dataset(const std::vector<int>& lengths, uint64_t seed) {
+  Dataset data;
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    Sample s;
+    for (int t = 0; t < lengths[i]; ++t)
+      s.input_ids.push_back(static_cast<int32_t>(dropout_hash(seed, i * 1000 + t) % 300));
+    s.labels = s.input_ids;
+    if (i % 3 == 0) s.labels[0] = s.labels[1] = -100;
+    data.samples.push_back(std::move(s));
+  }
+  return data;
 }
 
 // Seeded base (7) and PEFT adapters (11), then a non-zero B (normal 0.05, seed 3) so that every
