@@ -2,6 +2,10 @@
 // time, cumulatively, from an fp16 baseline; each is planned, and run where it fits the device.
 // With `isolate`, each technique is also run alone from the baseline, and the full stack is run
 // once without each technique, so that a trick's effect is seen apart from the order it came in.
+//
+// Room experiment/ (docs/ARCHITECTURE.md): the runners that build runs, drive the engine and time
+// it (ladder with isolate, sweep, measure, MFU); report/ renders what they write. May include
+// any room below cli/.
 #pragma once
 
 #include <filesystem>

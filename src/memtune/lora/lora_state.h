@@ -1,5 +1,8 @@
 // The trainable state on a device: LoRA master weights (fp32), their compute-dtype copies, the
 // gradients and the AdamW moments.
+//
+// Room lora/ (docs/ARCHITECTURE.md): the adapters, merging them into the base, PEFT files; may include
+// core/, io/, quant/, ops/ and model/.
 #pragma once
 
 #include <vector>

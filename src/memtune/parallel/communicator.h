@@ -14,6 +14,9 @@
 //   data_parallel.h    the engine's data-parallel step built from the above
 //
 // Tensors carry only bytes over NCCL; the TCP socket carries only the bootstrap id.
+//
+// Room parallel/ (docs/ARCHITECTURE.md) shares a floor with train/: the engine builds the
+// data-parallel state, and the sharded base sizes a rank from the engine's plan.
 #pragma once
 
 #include <chrono>

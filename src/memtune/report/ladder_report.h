@@ -39,6 +39,9 @@
 // ladder_report_claims.cpp (the claims), ladder_report_render.cpp (terminal table, report.md,
 // ladder.csv, the files) and ladder_report_chart.cpp (ladder.svg), sharing
 // ladder_report_detail.h.
+//
+// Room report/ (docs/ARCHITECTURE.md): renderers only, JSON in and text or SVG out; may include core/
+// and io/ only, so that `memtune report` re-renders without an engine.
 #pragma once
 
 #include <cstdint>
