@@ -15,12 +15,7 @@
 #include "../support/tokenizer_data.h"
 
 using namespace memtune;
-using memtune::test::error_of;
-using memtune::test::ids_to_string;
-using memtune::test::llama3_tokenizer;
-using memtune::test::llama3_tokenizer_dir;
-using memtune::test::read_jsonl;
-using memtune::test::tokenizer_fixture_dir;
+using namespace memtune::test;  // tests/support: error_of, the tokenizer data
 using nlohmann::json;
 
 namespace {

@@ -14,6 +14,7 @@
 #include "memtune/train/trainer.h"
 #include "../support/engine_setup.h"
 #include "inprocess_communicator.h"
+#include "rank_engines.h"
 
 using namespace memtune;
 
@@ -44,12 +45,9 @@ TEST(DataParallel, TwoRanksEqualOneRankWithTwiceTheAccumulation) {
     std::vector<std::vector<float>> got(2);
     std::vector<std::vector<double>> losses(2);
     disttest::InProcessGroup group(2);
-    disttest::run_ranks(2, [&](int rank) {
-      disttest::InProcessCommunicator comm(group, rank);
-      auto backend = make_cpu_backend();
-      PlannedEngine engine(*backend, run, model, &comm);
+    disttest::run_seeded_engines(group, 2, run, model,
+                                 [&](int rank, PlannedEngine& engine, disttest::InProcessCommunicator& comm) {
       ASSERT_EQ(engine->world_size(), 2);
-      init_with_nonzero_b(engine.engine());
       for (int s = 0; s < steps; ++s) {
         std::vector<HostMicroBatch> mine;  // global micro-batches rank, rank + 2, ...
         for (int m = rank; m < 2 * per_rank; m += 2) mine.push_back(step_batches[static_cast<size_t>(s)][static_cast<size_t>(m)]);
@@ -187,11 +185,8 @@ TEST(DataParallel, TrainerOnTwoRanksEqualsOneRankWithTwiceTheAccumulation) {
   std::vector<TrainOutcome> outcomes(2);
   std::vector<std::vector<float>> got(2);
   disttest::InProcessGroup group(2);
-  disttest::run_ranks(2, [&](int rank) {
-    disttest::InProcessCommunicator comm(group, rank);
-    auto backend = make_cpu_backend();
-    PlannedEngine engine(*backend, run, model, &comm);
-    init_with_nonzero_b(engine.engine());
+  disttest::run_seeded_engines(group, 2, run, model,
+                               [&](int rank, PlannedEngine& engine, disttest::InProcessCommunicator& comm) {
     std::ostringstream rank_out, rank_err;
     outcomes[static_cast<size_t>(rank)] = Trainer(engine.engine(), data, nullptr, options, rank_out, rank_err).run();
     got[static_cast<size_t>(rank)] = adapter_values(engine.engine());
@@ -209,11 +204,8 @@ TEST(DataParallel, ThePlanOfARankIsWhatItAllocates) {
   run.precision = Precision::bf16;
   run.gradient_checkpointing = true;
   disttest::InProcessGroup group(2);
-  disttest::run_ranks(2, [&](int rank) {
-    disttest::InProcessCommunicator comm(group, rank);
-    auto backend = make_cpu_backend();
-    PlannedEngine engine(*backend, run, model, &comm);
-    init_with_nonzero_b(engine.engine());
+  disttest::run_seeded_engines(group, 2, run, model,
+                               [&](int rank, PlannedEngine& engine, disttest::InProcessCommunicator& comm) {
     engine->train_step(enginetest::random_batches(model, run, 1, 3 + rank));
     engine->eval_loss_sum(enginetest::random_batches(model, run, 1, 4)[0]);
     EXPECT_EQ(engine->memory().verify_against(engine.plan().records), "");
@@ -234,11 +226,8 @@ TEST(DataParallel, ARankThatStopsMakesTheOthersFailWithAClearError) {
   const std::vector<HostMicroBatch> batches = enginetest::random_batches(model, run, 2, 9);
   disttest::InProcessGroup group(2, std::chrono::milliseconds(500));
   std::string message;
-  disttest::run_ranks(2, [&](int rank) {
-    disttest::InProcessCommunicator comm(group, rank);
-    auto backend = make_cpu_backend();
-    PlannedEngine engine(*backend, run, model, &comm);
-    init_with_nonzero_b(engine.engine());
+  disttest::run_seeded_engines(group, 2, run, model,
+                               [&](int rank, PlannedEngine& engine, disttest::InProcessCommunicator& comm) {
     if (rank == 1) return;  // "dies" before its first step
     try {
       engine->train_step({batches[0]});

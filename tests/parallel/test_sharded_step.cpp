@@ -10,6 +10,7 @@
 #include "memtune/train/engine_arena.h"
 #include "../support/engine_setup.h"
 #include "inprocess_communicator.h"
+#include "rank_engines.h"
 
 using namespace memtune;
 
@@ -195,11 +196,8 @@ TEST(ShardedStep, EachVisitGathersItsUnitOnce) {
     for (bool shard : {false, true}) {
       run.shard_base = shard;
       disttest::InProcessGroup group(2);
-      disttest::run_ranks(2, [&](int rank) {
-        disttest::InProcessCommunicator comm(group, rank);
-        auto cpu = make_cpu_backend();
-        PlannedEngine engine(*cpu, run, model, &comm);
-        init_with_nonzero_b(engine.engine());
+      disttest::run_seeded_engines(group, 2, run, model,
+                                   [&](int rank, PlannedEngine& engine, disttest::InProcessCommunicator& comm) {
         const int before = comm.calls();
         engine->train_step({step_batches(model, run, 0, 2)[static_cast<size_t>(rank)]});
         const int after_train = comm.calls();

@@ -3,23 +3,21 @@
 #pragma once
 
 #include <cmath>
+#include <cstdint>
 
 #include "memtune/ops/backend.h"
 
 namespace memtune::test {
 
-// The AttentionDims of a test case (any struct with batch, seq, heads, kv_heads and head_dim), with
-// the softmax scale that the step uses: head_dim^-0.5.
+// Attention over `seq` keys per row, with the softmax scale that the step uses: head_dim^-0.5.
+inline AttentionDims attention_dims(int64_t batch, int64_t seq, int64_t heads, int64_t kv_heads, int64_t head_dim) {
+  return AttentionDims{batch, seq, heads, kv_heads, head_dim, 1.0f / std::sqrt(static_cast<float>(head_dim))};
+}
+
+// The AttentionDims of a test case: any struct with batch, seq, heads, kv_heads and head_dim.
 template <typename Case>
 AttentionDims attention_dims_of(const Case& c) {
-  AttentionDims dims;
-  dims.batch = c.batch;
-  dims.seq = c.seq;
-  dims.n_heads = c.heads;
-  dims.n_kv_heads = c.kv_heads;
-  dims.head_dim = c.head_dim;
-  dims.scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
-  return dims;
+  return attention_dims(c.batch, c.seq, c.heads, c.kv_heads, c.head_dim);
 }
 
 }  // namespace memtune::test

@@ -33,4 +33,15 @@ inline std::string error_of(const std::function<void()>& action) {
   return "";
 }
 
+// The message of the memtune::Error that `action` throws, or "" when it throws none: for checks
+// that expect either.
+inline std::string error_or_empty(const std::function<void()>& action) {
+  try {
+    action();
+  } catch (const Error& error) {
+    return error.what();
+  }
+  return "";
+}
+
 }  // namespace memtune::test

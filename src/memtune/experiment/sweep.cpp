@@ -16,6 +16,7 @@
 #include "memtune/plan/plan_report.h"
 #include "memtune/experiment/measure.h"
 #include "memtune/core/progress.h"
+#include "memtune/report/output_files.h"
 #include "memtune/report/svg.h"
 
 namespace memtune {
@@ -391,17 +392,11 @@ std::string sweep_csv(const json& value) {
 }
 
 void write_sweep_outputs(const json& sweep, const std::filesystem::path& out_dir) {
-  const std::string json_text = sweep.dump(2, ' ', false, json::error_handler_t::replace) + "\n";
-  const std::string csv = sweep_csv(sweep);
-  const std::string memory = sweep_memory_svg(sweep);
-  const std::string speed = sweep_speed_svg(sweep);
-  std::error_code error;
-  std::filesystem::create_directories(out_dir, error);
-  MT_USER_CHECK(!error, "{}: cannot create the sweep directory: {}", out_dir.string(), error.message());
-  write_file_atomic(out_dir / "sweep.json", json_text);
-  write_file_atomic(out_dir / "sweep.csv", csv);
-  write_file_atomic(out_dir / "sweep_memory.svg", memory);
-  write_file_atomic(out_dir / "sweep_tokens_per_second.svg", speed);
+  write_output_files(out_dir, "sweep",
+                     {{"sweep.json", sweep.dump(2, ' ', false, json::error_handler_t::replace) + "\n"},
+                      {"sweep.csv", sweep_csv(sweep)},
+                      {"sweep_memory.svg", sweep_memory_svg(sweep)},
+                      {"sweep_tokens_per_second.svg", sweep_speed_svg(sweep)}});
 }
 
 }  // namespace memtune

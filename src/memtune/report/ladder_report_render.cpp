@@ -14,6 +14,7 @@
 #include "memtune/io/file_util.h"
 #include "memtune/io/json_util.h"
 #include "memtune/report/ladder_report_detail.h"
+#include "memtune/report/output_files.h"
 
 namespace memtune {
 
@@ -654,17 +655,11 @@ std::string ladder_csv(const json& value) {
 // ---------------------------------------------------------------------------------------------
 void write_ladder_outputs(const json& ladder, const std::filesystem::path& out_dir) {
   // Render everything first: a ladder that fails validation writes nothing.
-  const std::string json_text = ladder.dump(2, ' ', false, json::error_handler_t::replace) + "\n";
-  const std::string csv = ladder_csv(ladder);
-  const std::string markdown = ladder_markdown(ladder);
-  const std::string chart = ladder_svg(ladder);
-  std::error_code error;
-  std::filesystem::create_directories(out_dir, error);
-  MT_USER_CHECK(!error, "{}: cannot create the report directory: {}", out_dir.string(), error.message());
-  write_file_atomic(out_dir / "ladder.json", json_text);
-  write_file_atomic(out_dir / "ladder.csv", csv);
-  write_file_atomic(out_dir / "report.md", markdown);
-  write_file_atomic(out_dir / "ladder.svg", chart);
+  write_output_files(out_dir, "report",
+                     {{"ladder.json", ladder.dump(2, ' ', false, json::error_handler_t::replace) + "\n"},
+                      {"ladder.csv", ladder_csv(ladder)},
+                      {"report.md", ladder_markdown(ladder)},
+                      {"ladder.svg", ladder_svg(ladder)}});
 }
 
 }  // namespace memtune

@@ -6,6 +6,8 @@
 #include <cstring>
 #include <vector>
 
+#include "memtune/ops/op_checks.h"
+
 namespace memtune {
 namespace cpu {
 
@@ -68,20 +70,8 @@ void store_f32(const Tensor& dst, int64_t offset, int64_t count, const float* sr
 
 AttentionView make_attention_view(const AttentionDims& dims, const Tensor& q, const Tensor& k,
                                   const Tensor& v, const Tensor& segments) {
-  MT_ASSERT(dims.batch > 0 && dims.seq > 0 && dims.head_dim > 0, "attention: empty dims");
-  MT_ASSERT(dims.n_heads > 0 && dims.n_kv_heads > 0 && dims.n_heads % dims.n_kv_heads == 0,
-            "attention: {} query heads not a multiple of {} kv heads", dims.n_heads,
-            dims.n_kv_heads);
-  MT_ASSERT(dims.scale > 0.0f, "attention: scale {} not set", dims.scale);
-  check_float_tensor(q, "attention q");
-  check_float_tensor(k, "attention k");
-  check_float_tensor(v, "attention v");
+  check_attention_inputs(dims, q, k, v, check_float_tensor);
   const int64_t n = dims.tokens();
-  MT_ASSERT(q.numel() == n * dims.n_heads * dims.head_dim, "attention q {} vs N {} x {} x {}",
-            q.shape.str(), n, dims.n_heads, dims.head_dim);
-  MT_ASSERT(k.numel() == n * dims.n_kv_heads * dims.head_dim, "attention k {} vs N {} x {} x {}",
-            k.shape.str(), n, dims.n_kv_heads, dims.head_dim);
-  MT_ASSERT(v.numel() == k.numel(), "attention v {} vs k {}", v.shape.str(), k.shape.str());
   const int32_t* segment_ids = nullptr;
   if (!segments.empty()) {
     check_tensor(segments, DType::i32, "attention segments");
