@@ -88,6 +88,14 @@ void gather_head(const Tensor& x, const AttentionDims& dims, int64_t heads, int6
     load_f32(x, ((b * dims.seq + s) * heads + h) * d, d, dst + s * d);
 }
 
+void gather_query_head_inputs(const Tensor& q, const Tensor& k, const Tensor& v, const AttentionDims& dims,
+                              int64_t b, int64_t h, float* q_head, float* k_head, float* v_head) {
+  const int64_t kv_head = h / dims.group();
+  gather_head(q, dims, dims.n_heads, b, h, q_head);
+  gather_head(k, dims, dims.n_kv_heads, b, kv_head, k_head);
+  gather_head(v, dims, dims.n_kv_heads, b, kv_head, v_head);
+}
+
 void scatter_head(const Tensor& x, const AttentionDims& dims, int64_t heads, int64_t b,
                   int64_t h, const float* src) {
   const int64_t d = dims.head_dim;
