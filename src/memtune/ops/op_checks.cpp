@@ -4,6 +4,20 @@
 
 namespace memtune {
 
+void check_float_tensor_on(Device device, const Tensor& t, const char* what) {
+  MT_ASSERT(t.device == device, "{}: tensor on {}, not {}", what, device_name(t.device), device_name(device));
+  MT_ASSERT(dtype_is_float(t.dtype), "{}: dtype {} is not a float dtype", what,
+            dtype_name(t.dtype));
+  MT_ASSERT(t.data != nullptr || t.numel() == 0, "{}: no data", what);
+}
+
+void check_tensor_on(Device device, const Tensor& t, DType dtype, const char* what) {
+  MT_ASSERT(t.device == device, "{}: tensor on {}, not {}", what, device_name(t.device), device_name(device));
+  MT_ASSERT(t.dtype == dtype, "{}: dtype {}, expected {}", what, dtype_name(t.dtype),
+            dtype_name(dtype));
+  MT_ASSERT(t.data != nullptr || t.numel() == 0, "{}: no data", what);
+}
+
 void check_attention_inputs(const AttentionDims& dims, const Tensor& q, const Tensor& k, const Tensor& v,
                             CheckFloatTensor check_float) {
   MT_ASSERT(dims.batch > 0 && dims.seq > 0 && dims.head_dim > 0, "attention: empty dims");

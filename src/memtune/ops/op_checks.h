@@ -11,7 +11,12 @@
 
 namespace memtune {
 
-// The backend's own tests of one tensor: readable floats of any float dtype; exactly `dtype`.
+// A tensor that the backend on `device` can read: on that device, with data (or empty), and of a
+// float dtype / of exactly `dtype`. Each backend's check_float_tensor and check_tensor.
+void check_float_tensor_on(Device device, const Tensor& t, const char* what);
+void check_tensor_on(Device device, const Tensor& t, DType dtype, const char* what);
+
+// The backend's own tests of one tensor, handed to the checks below.
 using CheckFloatTensor = void (*)(const Tensor& t, const char* what);
 using CheckTensor = void (*)(const Tensor& t, DType dtype, const char* what);
 

@@ -11,19 +11,9 @@
 namespace memtune {
 namespace cpu {
 
-void check_float_tensor(const Tensor& t, const char* what) {
-  MT_ASSERT(t.device == Device::cpu, "{}: tensor on {}, not cpu", what, device_name(t.device));
-  MT_ASSERT(dtype_is_float(t.dtype), "{}: dtype {} is not a float dtype", what,
-            dtype_name(t.dtype));
-  MT_ASSERT(t.data != nullptr || t.numel() == 0, "{}: no data", what);
-}
+void check_float_tensor(const Tensor& t, const char* what) { check_float_tensor_on(Device::cpu, t, what); }
 
-void check_tensor(const Tensor& t, DType dtype, const char* what) {
-  MT_ASSERT(t.device == Device::cpu, "{}: tensor on {}, not cpu", what, device_name(t.device));
-  MT_ASSERT(t.dtype == dtype, "{}: dtype {}, expected {}", what, dtype_name(t.dtype),
-            dtype_name(dtype));
-  MT_ASSERT(t.data != nullptr || t.numel() == 0, "{}: no data", what);
-}
+void check_tensor(const Tensor& t, DType dtype, const char* what) { check_tensor_on(Device::cpu, t, dtype, what); }
 
 void load_f32(const Tensor& src, int64_t offset, int64_t count, float* dst) {
   switch (src.dtype) {

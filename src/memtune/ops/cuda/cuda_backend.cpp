@@ -21,19 +21,9 @@
 namespace memtune {
 namespace {
 
-void check_float_tensor(const Tensor& t, const char* what) {
-  MT_ASSERT(t.device == Device::cuda, "{}: tensor on {}, not cuda", what, device_name(t.device));
-  MT_ASSERT(dtype_is_float(t.dtype), "{}: dtype {} is not a float dtype", what,
-            dtype_name(t.dtype));
-  MT_ASSERT(t.data != nullptr || t.numel() == 0, "{}: no data", what);
-}
+void check_float_tensor(const Tensor& t, const char* what) { check_float_tensor_on(Device::cuda, t, what); }
 
-void check_tensor(const Tensor& t, DType dtype, const char* what) {
-  MT_ASSERT(t.device == Device::cuda, "{}: tensor on {}, not cuda", what, device_name(t.device));
-  MT_ASSERT(t.dtype == dtype, "{}: dtype {}, expected {}", what, dtype_name(t.dtype),
-            dtype_name(dtype));
-  MT_ASSERT(t.data != nullptr || t.numel() == 0, "{}: no data", what);
-}
+void check_tensor(const Tensor& t, DType dtype, const char* what) { check_tensor_on(Device::cuda, t, dtype, what); }
 
 void check_same_count(const Tensor& t, const Tensor& like, const char* what) {
   MT_ASSERT(t.numel() == like.numel(), "{}: {} vs {}", what, t.shape.str(), like.shape.str());
