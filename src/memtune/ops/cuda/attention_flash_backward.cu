@@ -43,11 +43,10 @@ __global__ void __launch_bounds__(kGenericWarps * 32)
 __global__ void __launch_bounds__(kGenericWarps * 32)
     flash_dq_generic(AttentionParams p, FlashTensors t) {
   const int lane = threadIdx.x & 31;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * kGenericWarps + (threadIdx.x >> 5);
-  if (row >= p.batch * p.n_heads * p.seq) return;
-  const int64_t i = row % p.seq, h = (row / p.seq) % p.n_heads, b = row / (p.seq * p.n_heads);
-  const int64_t g = h / (p.n_heads / p.n_kv_heads), d = p.head_dim;
-  const int32_t* segments_row = p.segments == nullptr ? nullptr : p.segments + b * p.seq;
+  GenericQueryRow query;
+  if (!generic_query_row(p, query)) return;
+  const int64_t i = query.i, h = query.h, b = query.b, g = query.g, d = p.head_dim;
+  const int32_t* segments_row = query.segments_row;
   const int64_t q_offset = ((b * p.seq + i) * p.n_heads + h) * d;
   const float row_lse = t.lse[(b * p.n_heads + h) * p.seq + i];
   const float row_delta = t.delta[(b * p.n_heads + h) * p.seq + i];

@@ -38,6 +38,25 @@ inline unsigned warp_rows_grid(int64_t rows) {
   return static_cast<unsigned>((rows + kGenericWarps - 1) / kGenericWarps);
 }
 
+// A generic kernel's query row: warps take the rows of [batch, n_heads, seq] in order (seq
+// fastest). Its position i, head h, batch row b, kv head g, and the row's packed-sequence ids.
+struct GenericQueryRow {
+  int64_t i, h, b, g;
+  const int32_t* segments_row;  // null: one sequence per batch row
+};
+
+// This warp's query row; false for the warps past the last one.
+__device__ __forceinline__ bool generic_query_row(const AttentionParams& p, GenericQueryRow& r) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kGenericWarps + (threadIdx.x >> 5);
+  if (row >= p.batch * p.n_heads * p.seq) return false;
+  r.i = row % p.seq;
+  r.h = (row / p.seq) % p.n_heads;
+  r.b = row / (p.seq * p.n_heads);
+  r.g = r.h / (p.n_heads / p.n_kv_heads);
+  r.segments_row = p.segments == nullptr ? nullptr : p.segments + r.b * p.seq;
+  return true;
+}
+
 constexpr int kBlock = 64;     // rows of a load_tile tile (the forward's Q comes in two of them)
 constexpr int kThreads = 128;  // 4 warps: the forward's block
 
