@@ -266,6 +266,28 @@ std::string ladder_terminal_table(const json& value) {
 // ---------------------------------------------------------------------------------------------
 // Markdown
 // ---------------------------------------------------------------------------------------------
+namespace {
+
+// An isolate list as a markdown table: per entry its planned and device peaks, tokens/s, and its
+// saving against `reference` (the baseline's or the full stack's planned peak).
+std::string isolate_table(const std::vector<LadderIsolateEntry>& entries, uint64_t reference,
+                          const std::vector<std::string>& headers) {
+  const auto bytes = [](uint64_t b) { return format_bytes(b); };
+  std::vector<std::vector<std::string>> rows;
+  for (const LadderIsolateEntry& e : entries)
+    rows.push_back({e.name, format_bytes(e.planned_peak_bytes), optional_text(e.device_peak_bytes, bytes, "-"),
+                    optional_text(e.tokens_per_second, rate_text), saving_cell(e.saving_bytes, reference)});
+  return markdown_table(headers, rows, {false, true, true, true, true});
+}
+
+// The entry with the largest saving (the first of equals); `entries` is not empty.
+const LadderIsolateEntry& largest_saving(const std::vector<LadderIsolateEntry>& entries) {
+  return *std::max_element(entries.begin(), entries.end(),
+                           [](const auto& a, const auto& b) { return a.saving_bytes < b.saving_bytes; });
+}
+
+}  // namespace
+
 std::string ladder_markdown(const json& value) {
   const Ladder ladder = parse_ladder_json(value);
   const LadderRung& first = ladder.rungs[ladder.baseline];
@@ -490,38 +512,27 @@ std::string ladder_markdown(const json& value) {
           "in the order. Here each trick is taken on its own: added alone to the baseline, and removed alone from the "
           "full stack. Savings are differences of planned peaks (every entry has one); device peak and tokens/s are "
           "measured where the entry ran.\n\n";
-    const auto bytes = [](uint64_t b) { return format_bytes(b); };
     const LadderRung& base = ladder.rungs[ladder.baseline];
     const LadderRung& full = ladder.rungs.back();
     if (!ladder.isolate_alone.empty()) {
       md += fmt::format("Each trick alone, added to \"{}\" ({} planned):\n\n", base.name,
                         format_bytes(base.planned_peak_bytes));
-      std::vector<std::vector<std::string>> rows;
-      for (const LadderIsolateEntry& e : ladder.isolate_alone)
-        rows.push_back({e.name, format_bytes(e.planned_peak_bytes), optional_text(e.device_peak_bytes, bytes, "-"),
-                        optional_text(e.tokens_per_second, rate_text), saving_cell(e.saving_bytes, base.planned_peak_bytes)});
-      md += markdown_table({"trick", "planned peak", "device peak", "tokens/s", "saving vs baseline"}, rows,
-                           {false, true, true, true, true});
-      const auto most = std::max_element(ladder.isolate_alone.begin(), ladder.isolate_alone.end(),
-                                         [](const auto& a, const auto& b) { return a.saving_bytes < b.saving_bytes; });
-      md += fmt::format("\nMatters most alone: **{}**, saving {} ({} of the baseline).\n\n", most->name,
-                        saving_bytes_text(most->saving_bytes),
-                        percent_text(fraction_of(most->saving_bytes, base.planned_peak_bytes)));
+      md += isolate_table(ladder.isolate_alone, base.planned_peak_bytes,
+                          {"trick", "planned peak", "device peak", "tokens/s", "saving vs baseline"});
+      const LadderIsolateEntry& most = largest_saving(ladder.isolate_alone);
+      md += fmt::format("\nMatters most alone: **{}**, saving {} ({} of the baseline).\n\n", most.name,
+                        saving_bytes_text(most.saving_bytes),
+                        percent_text(fraction_of(most.saving_bytes, base.planned_peak_bytes)));
     }
     if (!ladder.isolate_removed.empty()) {
       md += fmt::format("Each trick removed from the full stack, \"{}\" ({} planned):\n\n", full.name,
                         format_bytes(full.planned_peak_bytes));
-      std::vector<std::vector<std::string>> rows;
-      for (const LadderIsolateEntry& e : ladder.isolate_removed)
-        rows.push_back({e.name, format_bytes(e.planned_peak_bytes), optional_text(e.device_peak_bytes, bytes, "-"),
-                        optional_text(e.tokens_per_second, rate_text), saving_cell(e.saving_bytes, full.planned_peak_bytes)});
-      md += markdown_table({"trick removed", "planned peak without it", "device peak", "tokens/s", "cost of removing it"},
-                           rows, {false, true, true, true, true});
-      const auto most = std::max_element(ladder.isolate_removed.begin(), ladder.isolate_removed.end(),
-                                         [](const auto& a, const auto& b) { return a.saving_bytes < b.saving_bytes; });
-      md += fmt::format("\nRemoval that hurts most: **{}**, adding {} ({} more than the full stack).\n\n", most->name,
-                        saving_bytes_text(most->saving_bytes),
-                        percent_text(fraction_of(most->saving_bytes, full.planned_peak_bytes)));
+      md += isolate_table(ladder.isolate_removed, full.planned_peak_bytes,
+                          {"trick removed", "planned peak without it", "device peak", "tokens/s", "cost of removing it"});
+      const LadderIsolateEntry& most = largest_saving(ladder.isolate_removed);
+      md += fmt::format("\nRemoval that hurts most: **{}**, adding {} ({} more than the full stack).\n\n", most.name,
+                        saving_bytes_text(most.saving_bytes),
+                        percent_text(fraction_of(most.saving_bytes, full.planned_peak_bytes)));
     }
     if (ladder.isolate_alone.empty() && ladder.isolate_removed.empty()) md += "The isolate run recorded no entries.\n\n";
   }
