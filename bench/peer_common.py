@@ -117,6 +117,36 @@ def cuda_context(out: dict) -> None:
     out["device_name"] = torch.cuda.get_device_name()
 
 
+def prepare_device(out: dict, args, torch, cpu_threads: int) -> bool:
+    """A rung's device: on CUDA the context is measured and --cap-gib applied; on the CPU torch
+    gets cpu_threads threads. False, with out["error"], where CUDA was asked for and is not there."""
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            out["error"] = "--device cuda but torch sees no GPU"
+            return False
+        cuda_context(out)
+        apply_memory_cap(out, args.cap_gib)
+    else:
+        out["device_name"] = "cpu"
+        torch.set_num_threads(max(1, cpu_threads))
+    return True
+
+
+def start_training_peak(out: dict, torch, on_cuda: bool, t_build: float):
+    """Once the model is built: its build time and (CUDA) build peak into out, then the peak
+    statistics reset and nvidia-smi sampling started (the sampler, or None on the CPU), so that
+    the training peak is measured apart from the load's."""
+    sampler = None
+    if on_cuda:
+        torch.cuda.synchronize()
+        out["build_peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        sampler = SmiSampler().start()
+    out["build_seconds"] = time.perf_counter() - t_build
+    return sampler
+
+
 def apply_memory_cap(out: dict, cap_gib: float | None) -> None:
     """torch.cuda.set_per_process_memory_fraction(cap / total): the caching allocator refuses
     to grow past the cap (the CUDA context and library workspaces are outside it)."""
@@ -668,8 +698,118 @@ def run_max_context(args, report: dict, probe, model_config) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
+# The parent of either peer: one child process a rung (or a probe)
+# ---------------------------------------------------------------------------------------------
+def child_argv(script: str, args, index: int, extra: list[str] | None = None) -> list[str]:
+    """The parent's own arguments (the child reads the same configuration), then the rung."""
+    return [sys.executable, os.path.abspath(script)] + args.raw_argv + ["--one-rung", str(index)] + (extra or [])
+
+
+def note_device(report: dict, result: dict, name_device: bool = True) -> None:
+    """The device the first child saw, and the CUDA context bytes it measured, into the report;
+    name_device False keeps the report's own device name (a CPU run of bench/peer_hf.py)."""
+    if result.get("device_name") and name_device:
+        report["device"] = result["device_name"]
+    if "context_bytes" in result and "device_context_bytes" not in report:
+        report["device_context_bytes"] = result["context_bytes"]
+
+
+def context_rung(args, rungs: list[dict], seq: int) -> tuple[dict, int]:
+    """--max-context: the rung named by --context-rung at batch 1 and length seq, and its index."""
+    keys = [r["added"] or "baseline" for r in rungs]
+    if args.context_rung not in keys:
+        raise SystemExit(f"--context-rung {args.context_rung}: not a rung of --order ({','.join(keys)})")
+    index = keys.index(args.context_rung)
+    rung = dict(rungs[index], batch=1, accum=1, seq=seq)
+    rung["name"] = f"max context ({rung['name']}), batch 1, seq {seq}"
+    rung["added"] = "max_context"
+    return rung, index
+
+
+def search_max_context(args, report: dict, *, script: str, tool: str, rungs: list[dict], rung_base,
+                       env: dict | None = None, name_device: bool = True) -> dict:
+    """run_max_context with each probe in a child of `script` (its messages prefixed by `tool`)."""
+    _, index = context_rung(args, rungs, args.context_min)
+
+    def probe(seq: int, steps: int) -> dict:
+        rung, _ = context_rung(args, rungs, seq)
+        print(f"{tool}: max-context probe seq {seq} ({steps} steps)", file=sys.stderr, flush=True)
+        result = run_child(child_argv(script, args, index, ["--context-seq", str(seq), "--steps", str(steps)]),
+                           args.probe_timeout, rung_base(rung), env=env)
+        note_device(report, result, name_device)
+        return result
+
+    report = run_max_context(args, report, probe, load_model_config(args.config))
+    report["max_context"]["context_rung"] = args.context_rung
+    return report
+
+
+def measurement_config(args, script: str) -> dict:
+    """The end of a report's "config": packing, the memory cap, what is timed and counted, and the
+    command that ran (`script` with its arguments)."""
+    return {
+        "packing": args.packing if args.data else None,
+        "memory_cap_gib": args.cap_gib or None,
+        "timing": "optimizer steps after the first; torch.cuda.synchronize() around each",
+        "tokens_per_second": "padded tokens (batch x the micro-batch's row length, summed) per second; "
+                             "real_tokens_per_second: non-padding tokens; target_tokens_per_second: trained targets",
+        "command": [os.path.relpath(os.path.abspath(script))] + args.raw_argv,
+    }
+
+
+def finish_report(args, report: dict) -> int:
+    """The report written to --out (atomically) and printed as a table; the exit status."""
+    if args.out:
+        write_atomic(args.out, report)
+    print_table(report)
+    if args.out:
+        print(f"wrote {args.out}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
 # Options both peers take
 # ---------------------------------------------------------------------------------------------
+def add_ladder_args(p) -> None:
+    """The run's shape, the optimizer and LoRA, as both peers name them (after memtune's)."""
+    p.add_argument("--steps", type=int, default=6, help="optimizer steps per rung; the first is not timed")
+    p.add_argument("--batch", type=int, default=2, help="per-device micro-batch")
+    p.add_argument("--accum", type=int, default=8, help="gradient accumulation steps")
+    p.add_argument("--seq", type=int, default=2048)
+
+
+def add_optimizer_args(p) -> None:
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--beta1", type=float, default=0.9)
+    p.add_argument("--beta2", type=float, default=0.999)
+    p.add_argument("--eps", type=float, default=1e-8)
+    p.add_argument("--max-grad-norm", type=float, default=1.0)
+    p.add_argument("--lora-r", type=int, default=16)
+    p.add_argument("--lora-alpha", type=float, default=16.0)
+    p.add_argument("--lora-dropout", type=float, default=0.0)
+    p.add_argument("--init-scale", type=float, default=2.0**16, help="GradScaler initial scale (fp16 rungs)")
+
+
+def parse_peer_args(p, argv, tricks: list[str]):
+    """Adds the shared options to `p`, parses argv (None: sys.argv) and checks what both peers
+    take; args.order and args.only come back as lists (the caller checks --only's names)."""
+    add_shared_args(p)
+    raw = list(sys.argv[1:] if argv is None else argv)
+    args = p.parse_args(raw)
+    args.raw_argv = raw
+    check_shared_args(p, args)
+    args.order = [t for t in args.order.split(",") if t]
+    for t in args.order:
+        if t not in tricks:
+            p.error(f"--order: unknown trick '{t}' (known: {','.join(tricks)})")
+    if min(args.steps, args.batch, args.accum, args.seq) < 1:
+        p.error("--steps, --batch, --accum and --seq must be >= 1")
+    args.only = [t for t in args.only.split(",") if t]
+    return args
+
+
 def add_shared_args(p) -> None:
     """--data/--tokenizer/--packing/--repeat, --max-context/--cap-gib and the bisection's knobs,
     --vocab-size: the same names and meaning in bench/peer_hf.py and bench/peer_unsloth.py."""

@@ -24,14 +24,16 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from peer_common import (TARGET_MODULES, apply_memory_cap, run_max_context,  # noqa: E402
-                         config_sha16, cuda_context, data_batches, describe_batches, emit_result,
-                         load_chat_tokenizer, load_model_config, memory_stats, print_table, read_sft_jsonl,
+from peer_common import (TARGET_MODULES,  # noqa: E402
+                         config_sha16, data_batches, describe_batches, emit_result,
+                         load_chat_tokenizer, load_model_config, memory_stats, read_sft_jsonl,
                          record_failure, run_child, synthetic_batches, train_steps, version_of, write_atomic,
-                         SmiSampler, add_shared_args, check_shared_args)
+                         add_ladder_args, add_optimizer_args, parse_peer_args,
+                         child_argv, finish_report, note_device, prepare_device, start_training_peak, measurement_config, search_max_context)
+import peer_common  # noqa: E402
 
 TRICKS = ["bf16", "gradient_checkpointing", "flash", "qlora", "chunked_loss", "micro_batch", "seq_halved"]
-# The labels memtune's ladder shows (src/memtune/report/ladder.cpp), so rows line up by name too.
+# The labels memtune's ladder shows (src/memtune/experiment/ladder.cpp), so rows line up by name too.
 LABELS = {
     "": "fp16 baseline",
     "bf16": "+ bf16",
@@ -166,15 +168,8 @@ def run_one_rung(args, rung: dict) -> dict:
         out["error"] = "no equivalent in transformers" if not args.liger else "not run: --liger"
         out["note"] = NO_CHUNKED_LOSS if not args.liger else LIGER_NO_CHUNKED
         return out
-    if on_cuda:
-        if not torch.cuda.is_available():
-            out["error"] = "--device cuda but torch sees no GPU"
-            return out
-        cuda_context(out)
-        apply_memory_cap(out, args.cap_gib)
-    else:
-        out["device_name"] = "cpu"
-        torch.set_num_threads(max(1, args.threads or os.cpu_count() or 1))
+    if not prepare_device(out, args, torch, args.threads or os.cpu_count() or 1):
+        return out
 
     if rung["qlora"]:
         try:
@@ -278,14 +273,7 @@ def run_one_rung(args, rung: dict) -> dict:
         scaler = None
         if rung["precision"] == "fp16":
             scaler = torch.amp.GradScaler(args.device, init_scale=args.init_scale)
-        sampler = None
-        if on_cuda:
-            torch.cuda.synchronize()
-            out["build_peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-            sampler = SmiSampler().start()
-        out["build_seconds"] = time.perf_counter() - t_build
+        sampler = start_training_peak(out, torch, on_cuda, t_build)
 
         def attention_ctx():
             from contextlib import nullcontext
@@ -311,11 +299,6 @@ def run_one_rung(args, rung: dict) -> dict:
 # ---------------------------------------------------------------------------------------------
 # The parent: loop the rungs, one child each.
 # ---------------------------------------------------------------------------------------------
-def child_argv(args, index: int, extra: list[str] | None = None) -> list[str]:
-    """The parent's own arguments (the child reads the same configuration), then the rung."""
-    return [sys.executable, os.path.abspath(__file__)] + args.raw_argv + ["--one-rung", str(index)] + (extra or [])
-
-
 def tool_name(args) -> str:
     return "transformers+peft+bnb" + ("+liger" if args.liger else "")
 
@@ -362,24 +345,12 @@ def report_header(args) -> dict:
         "liger": args.liger,
         "chunked_loss": NO_CHUNKED_LOSS if not args.liger else LIGER_NO_CHUNKED,
         "data": data_description(args),
-        "packing": args.packing if args.data else None,
-        "memory_cap_gib": args.cap_gib or None,
-        "timing": "optimizer steps after the first; torch.cuda.synchronize() around each",
-        "tokens_per_second": "padded tokens (batch x the micro-batch's row length, summed) per second; "
-                             "real_tokens_per_second: non-padding tokens; target_tokens_per_second: trained targets",
-        "command": [os.path.relpath(os.path.abspath(__file__))] + args.raw_argv,
+        **measurement_config(args, __file__),
     }
     return {"peer": peer_versions(args), "tool": tool_name(args),
             "device": "cpu" if args.device == "cpu" else "cuda (name from the first rung)",
             "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
             "config": config, "rungs": []}
-
-
-def note_device(report: dict, result: dict, args) -> None:
-    if result.get("device_name") and args.device == "cuda":
-        report["device"] = result["device_name"]
-    if "context_bytes" in result and "device_context_bytes" not in report:
-        report["device_context_bytes"] = result["context_bytes"]
 
 
 def run_ladder(args) -> dict:
@@ -391,41 +362,21 @@ def run_ladder(args) -> dict:
             report["rungs"].append({**rung_base(rung), "error": "not run (--only)"})
             continue
         print(f"peer_hf: rung {index + 1}/{len(rungs)}: {rung['name']}", file=sys.stderr, flush=True)
-        result = run_child(child_argv(args, index), args.rung_timeout, rung_base(rung))
+        result = run_child(child_argv(__file__, args, index), args.rung_timeout, rung_base(rung))
         report["rungs"].append(result)
-        note_device(report, result, args)
+        note_device(report, result, args.device == "cuda")
         if args.out:  # keep what is measured so far, should a later rung take the machine down
             write_atomic(args.out, report)
     return report
 
 
-def context_rung(args, seq: int) -> dict:
-    rungs = plan_rungs(args)
-    keys = [r["added"] or "baseline" for r in rungs]
-    if args.context_rung not in keys:
-        raise SystemExit(f"--context-rung {args.context_rung}: not a rung of --order ({','.join(keys)})")
-    index = keys.index(args.context_rung)
-    rung = dict(rungs[index], batch=1, accum=1, seq=seq)
-    rung["name"] = f"max context ({rung['name']}), batch 1, seq {seq}"
-    rung["added"] = "max_context"
-    return rung, index
+def context_rung(args, seq: int) -> tuple[dict, int]:
+    return peer_common.context_rung(args, plan_rungs(args), seq)
 
 
 def run_context_search(args) -> dict:
-    report = report_header(args)
-    _, index = context_rung(args, args.context_min)
-
-    def probe(seq: int, steps: int) -> dict:
-        rung, _ = context_rung(args, seq)
-        print(f"peer_hf: max-context probe seq {seq} ({steps} steps)", file=sys.stderr, flush=True)
-        result = run_child(child_argv(args, index, ["--context-seq", str(seq), "--steps", str(steps)]),
-                           args.probe_timeout, rung_base(rung))
-        note_device(report, result, args)
-        return result
-
-    report = run_max_context(args, report, probe, load_model_config(args.config))
-    report["max_context"]["context_rung"] = args.context_rung
-    return report
+    return search_max_context(args, report_header(args), script=__file__, tool="peer_hf", rungs=plan_rungs(args),
+                              rung_base=rung_base, name_device=args.device == "cuda")
 
 
 def parse_args(argv=None):
@@ -434,24 +385,11 @@ def parse_args(argv=None):
     p.add_argument("--config", default=os.path.normpath(DEFAULT_CONFIG),
                    help="model config.json (HF format; memtune's configs/models/*.json are)")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    p.add_argument("--steps", type=int, default=6, help="optimizer steps per rung; the first is not timed")
-    p.add_argument("--batch", type=int, default=2, help="per-device micro-batch")
-    p.add_argument("--accum", type=int, default=8, help="gradient accumulation steps")
-    p.add_argument("--seq", type=int, default=2048)
+    add_ladder_args(p)
     p.add_argument("--order", default=",".join(TRICKS), help="comma list of: " + ",".join(TRICKS))
     p.add_argument("--only", default="", help="comma list of rung keys to run (baseline," + ",".join(TRICKS)
                    + "); the others are listed as not run")
-    p.add_argument("--seed", type=int, default=42)
-    p.add_argument("--lr", type=float, default=1e-4)
-    p.add_argument("--weight-decay", type=float, default=0.01)
-    p.add_argument("--beta1", type=float, default=0.9)
-    p.add_argument("--beta2", type=float, default=0.999)
-    p.add_argument("--eps", type=float, default=1e-8)
-    p.add_argument("--max-grad-norm", type=float, default=1.0)
-    p.add_argument("--lora-r", type=int, default=16)
-    p.add_argument("--lora-alpha", type=float, default=16.0)
-    p.add_argument("--lora-dropout", type=float, default=0.0)
-    p.add_argument("--init-scale", type=float, default=2.0**16, help="GradScaler initial scale (fp16 rungs)")
+    add_optimizer_args(p)
     p.add_argument("--kbit-prep", default="trl", choices=sorted(KBIT_PREP),
                    help="how the QLoRA rung prepares the 4-bit model: " +
                         "; ".join(f"{k}: {v}" for k, v in KBIT_PREP.items()))
@@ -462,21 +400,10 @@ def parse_args(argv=None):
     p.add_argument("--context-rung", default="qlora", help="--max-context: the rung whose techniques it runs at batch 1")
     p.add_argument("--out", default="", help="write the ladder JSON here (atomically)")
     p.add_argument("--one-rung", type=int, default=None, help=argparse.SUPPRESS)
-    add_shared_args(p)
-    raw = list(sys.argv[1:] if argv is None else argv)
-    args = p.parse_args(raw)
-    args.raw_argv = raw
-    check_shared_args(p, args)
-    args.order = [t for t in args.order.split(",") if t]
-    for t in args.order:
-        if t not in TRICKS:
-            p.error(f"--order: unknown trick '{t}' (known: {','.join(TRICKS)})")
-    args.only = [t for t in args.only.split(",") if t]
+    args = parse_peer_args(p, argv, TRICKS)
     for t in args.only:
         if t not in ["baseline"] + TRICKS:
             p.error(f"--only: unknown rung '{t}'")
-    if min(args.steps, args.batch, args.accum, args.seq) < 1:
-        p.error("--steps, --batch, --accum and --seq must be >= 1")
     return args
 
 
@@ -486,13 +413,7 @@ def main(argv=None) -> int:
         rung = context_rung(args, args.context_seq)[0] if args.context_seq else plan_rungs(args)[args.one_rung]
         emit_result(run_one_rung(args, rung))
         return 0
-    report = run_context_search(args) if args.max_context else run_ladder(args)
-    if args.out:
-        write_atomic(args.out, report)
-    print_table(report)
-    if args.out:
-        print(f"wrote {args.out}")
-    return 0
+    return finish_report(args, run_context_search(args) if args.max_context else run_ladder(args))
 
 
 if __name__ == "__main__":

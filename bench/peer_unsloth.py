@@ -41,10 +41,12 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from peer_common import (LLAMA3_BOS, LLAMA3_CHAT_TEMPLATE, LLAMA3_EOS, REPO, TARGET_MODULES,  # noqa: E402
-                         SmiSampler, add_shared_args, apply_memory_cap, check_shared_args, config_sha16,
-                         cuda_context, data_batches, describe_batches, emit_result, load_chat_tokenizer,
-                         load_model_config, memory_stats, print_table, read_sft_jsonl, record_failure, run_child,
-                         run_max_context, synthetic_batches, train_steps, version_of, write_atomic)
+                         config_sha16,
+                         data_batches, describe_batches, emit_result, load_chat_tokenizer,
+                         load_model_config, memory_stats, read_sft_jsonl, record_failure, run_child,
+                         synthetic_batches, train_steps, version_of, write_atomic,
+                         add_ladder_args, add_optimizer_args, parse_peer_args, prepare_device, start_training_peak, measurement_config, child_argv, context_rung, finish_report, note_device,
+                         search_max_context)
 from peer_hf import DEFAULT_CONFIG, TRICKS, plan_rungs, rung_base  # noqa: E402  (imports no torch)
 
 RUN_KEYS = ["flash", "qlora", "micro_batch", "seq_halved"]
@@ -224,15 +226,9 @@ def run_one_rung(args, rung: dict) -> dict:
                         "UNSLOTH_COMPILE_LOCATION"])
     out["settings"] = settings
     on_cuda = args.device == "cuda"
-    if on_cuda:
-        if not torch.cuda.is_available():
-            out["error"] = "--device cuda but torch sees no GPU"
-            return out
-        cuda_context(out)
-        apply_memory_cap(out, args.cap_gib)
-    else:  # Unsloth's own CPU fallback (16-bit LoRA): a check of this code path, not a benchmark
-        out["device_name"] = "cpu"
-        torch.set_num_threads(max(1, os.cpu_count() or 1))
+    # On the CPU, Unsloth's own fallback (16-bit LoRA): a check of this code path, not a benchmark.
+    if not prepare_device(out, args, torch, os.cpu_count() or 1):
+        return out
     device = torch.device(args.device)
     dtype = torch.bfloat16 if rung["precision"] == "bf16" else torch.float16
     settings["precision_used"] = f"{str(dtype).replace('torch.', '')} weights, autocast (as Trainer's bf16/fp16)" + \
@@ -278,14 +274,7 @@ def run_one_rung(args, rung: dict) -> dict:
                                 weight_decay=args.weight_decay, fused=on_cuda)
         settings["optimizer"] = f"torch.optim.AdamW(fused={on_cuda})"
         scaler = torch.amp.GradScaler(args.device, init_scale=args.init_scale) if dtype == torch.float16 else None
-        sampler = None
-        if on_cuda:
-            torch.cuda.synchronize()
-            out["build_peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-            sampler = SmiSampler().start()  # after the load: Unsloth's load peak is not the training peak
-        out["build_seconds"] = time.perf_counter() - t_build
+        sampler = start_training_peak(out, torch, on_cuda, t_build)
         result = train_steps(model, trainable, opt, batches, device=device, autocast_dtype=dtype, scaler=scaler,
                              max_grad_norm=args.max_grad_norm, label=rung["name"],
                              normalise_by_targets=bool(args.data))
@@ -301,10 +290,6 @@ def run_one_rung(args, rung: dict) -> dict:
 # ---------------------------------------------------------------------------------------------
 # The parent
 # ---------------------------------------------------------------------------------------------
-def child_argv(args, index: int, extra: list[str] | None = None) -> list[str]:
-    return [sys.executable, os.path.abspath(__file__)] + args.raw_argv + ["--one-rung", str(index)] + (extra or [])
-
-
 def child_env(args) -> dict:
     """One compile folder for the whole run, so the children reuse what the first compiled."""
     env = dict(OFFLINE_ENV)
@@ -334,23 +319,11 @@ def report_header(args) -> dict:
                  ("packed best-fit decreasing, each micro-batch padding-free in one row with packed_seq_lengths "
                   "(Unsloth's packing layout)" if args.packing else
                   "one sample a row, each micro-batch right-padded to its longest row")),
-        "packing": args.packing if args.data else None,
-        "memory_cap_gib": args.cap_gib or None,
-        "timing": "optimizer steps after the first; torch.cuda.synchronize() around each",
-        "tokens_per_second": "padded tokens (batch x the micro-batch's row length, summed) per second; "
-                             "real_tokens_per_second: non-padding tokens; target_tokens_per_second: trained targets",
-        "command": [os.path.relpath(os.path.abspath(__file__))] + args.raw_argv,
+        **measurement_config(args, __file__),
     }
     return {"peer": unsloth_versions(), "tool": "unsloth", "device": "cuda (name from the first rung)",
             "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), "config": config,
             "rungs": []}
-
-
-def note_device(report: dict, result: dict) -> None:
-    if result.get("device_name"):
-        report["device"] = result["device_name"]
-    if "context_bytes" in result and "device_context_bytes" not in report:
-        report["device_context_bytes"] = result["context_bytes"]
 
 
 def run_ladder(args, report: dict) -> dict:
@@ -363,7 +336,7 @@ def run_ladder(args, report: dict) -> dict:
             report["rungs"].append({**rung_base(rung), "error": "not run (--only)"})
             continue
         print(f"peer_unsloth: {rung['name']}", file=sys.stderr, flush=True)
-        result = run_child(child_argv(args, index), args.rung_timeout, rung_base(rung), env=child_env(args))
+        result = run_child(child_argv(__file__, args, index), args.rung_timeout, rung_base(rung), env=child_env(args))
         report["rungs"].append(result)
         note_device(report, result)
         if args.out:
@@ -371,32 +344,9 @@ def run_ladder(args, report: dict) -> dict:
     return report
 
 
-def context_rung(args, seq: int) -> tuple[dict, int]:
-    rungs = plan_rungs(args)
-    keys = [r["added"] or "baseline" for r in rungs]
-    if args.context_rung not in keys:
-        raise SystemExit(f"--context-rung {args.context_rung}: not a rung of --order ({','.join(keys)})")
-    index = keys.index(args.context_rung)
-    rung = dict(rungs[index], batch=1, accum=1, seq=seq)
-    rung["name"] = f"max context ({rung['name']}), batch 1, seq {seq}"
-    rung["added"] = "max_context"
-    return rung, index
-
-
 def run_context_search(args, report: dict) -> dict:
-    _, index = context_rung(args, args.context_min)
-
-    def probe(seq: int, steps: int) -> dict:
-        rung, _ = context_rung(args, seq)
-        print(f"peer_unsloth: max-context probe seq {seq} ({steps} steps)", file=sys.stderr, flush=True)
-        result = run_child(child_argv(args, index, ["--context-seq", str(seq), "--steps", str(steps)]),
-                           args.probe_timeout, rung_base(rung), env=child_env(args))
-        note_device(report, result)
-        return result
-
-    report = run_max_context(args, report, probe, load_model_config(args.config))
-    report["max_context"]["context_rung"] = args.context_rung
-    return report
+    return search_max_context(args, report, script=__file__, tool="peer_unsloth", rungs=plan_rungs(args),
+                              rung_base=rung_base, env=child_env(args))
 
 
 def parse_args(argv=None):
@@ -409,43 +359,19 @@ def parse_args(argv=None):
                    "<config sha>); reused while its marker matches")
     p.add_argument("--compile-dir", default="", help="UNSLOTH_COMPILE_LOCATION for the children (default: a "
                    "temporary folder)")
-    p.add_argument("--steps", type=int, default=6, help="optimizer steps per rung; the first is not timed")
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--accum", type=int, default=8)
-    p.add_argument("--seq", type=int, default=2048)
+    add_ladder_args(p)
     p.add_argument("--order", default=",".join(TRICKS), help="the ladder's order (for the rungs' shapes)")
     p.add_argument("--only", default="flash,qlora", help="comma list of: " + ",".join(RUN_KEYS))
-    p.add_argument("--seed", type=int, default=42)
-    p.add_argument("--lr", type=float, default=1e-4)
-    p.add_argument("--weight-decay", type=float, default=0.01)
-    p.add_argument("--beta1", type=float, default=0.9)
-    p.add_argument("--beta2", type=float, default=0.999)
-    p.add_argument("--eps", type=float, default=1e-8)
-    p.add_argument("--max-grad-norm", type=float, default=1.0)
-    p.add_argument("--lora-r", type=int, default=16)
-    p.add_argument("--lora-alpha", type=float, default=16.0)
-    p.add_argument("--lora-dropout", type=float, default=0.0)
-    p.add_argument("--init-scale", type=float, default=2.0**16, help="GradScaler initial scale (fp16 only)")
+    add_optimizer_args(p)
     p.add_argument("--context-rung", default="qlora", help="--max-context: the rung it runs at batch 1")
     p.add_argument("--rung-timeout", type=float, default=1800, help="seconds before a rung's process is killed")
     p.add_argument("--out", default="", help="write the JSON here (atomically)")
     p.add_argument("--one-rung", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--write-model", action="store_true", help=argparse.SUPPRESS)
-    add_shared_args(p)
-    raw = list(sys.argv[1:] if argv is None else argv)
-    args = p.parse_args(raw)
-    args.raw_argv = raw
-    check_shared_args(p, args)
-    args.order = [t for t in args.order.split(",") if t]
-    for t in args.order:
-        if t not in TRICKS:
-            p.error(f"--order: unknown trick '{t}'")
-    args.only = [t for t in args.only.split(",") if t]
+    args = parse_peer_args(p, argv, TRICKS)
     for t in args.only:
         if t not in RUN_KEYS:
             p.error(f"--only: '{t}' is not one of {','.join(RUN_KEYS)}")
-    if min(args.steps, args.batch, args.accum, args.seq) < 1:
-        p.error("--steps, --batch, --accum and --seq must be >= 1")
     if not args.model_dir:
         args.model_dir = os.path.join(tempfile.gettempdir(), f"peer_unsloth_model-{config_sha16(args.config)}"
                                       + (f"-v{args.vocab_size}" if args.vocab_size else ""))
@@ -460,7 +386,7 @@ def main(argv=None) -> int:
         emit_result(write_model(args))
         return 0
     if args.one_rung is not None:
-        rung = context_rung(args, args.context_seq)[0] if args.context_seq else plan_rungs(args)[args.one_rung]
+        rung = context_rung(args, plan_rungs(args), args.context_seq)[0] if args.context_seq else plan_rungs(args)[args.one_rung]
         emit_result(run_one_rung(args, rung))
         return 0
     report = report_header(args)
@@ -475,13 +401,7 @@ def main(argv=None) -> int:
     os.makedirs(args.compile_dir, exist_ok=True)
     if args.device == "cpu":
         report["device"] = "cpu"
-    report = run_context_search(args, report) if args.max_context else run_ladder(args, report)
-    if args.out:
-        write_atomic(args.out, report)
-    print_table(report)
-    if args.out:
-        print(f"wrote {args.out}")
-    return 0
+    return finish_report(args, run_context_search(args, report) if args.max_context else run_ladder(args, report))
 
 
 if __name__ == "__main__":

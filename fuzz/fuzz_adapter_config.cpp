@@ -13,7 +13,7 @@
 #include "memtune/core/error.h"
 #include "memtune/io/json_util.h"
 #include "memtune/lora/lora_config.h"
-#include "memtune/model/merge.h"
+#include "memtune/lora/merge.h"
 #include "memtune/train/run_config.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {

@@ -16,14 +16,14 @@ Deterministic: the models are the committed fixtures and greedy decoding draws n
 import argparse
 import json
 import os
-import platform
 import sys
 
-import peft
 import torch
-import transformers
 from peft import PeftModel
 from transformers import LlamaForCausalLM
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import make_golden  # noqa: E402  (its versions(); it runs nothing on import)
 
 FIXTURES = ["gqa_rope", "tied_odd"]
 # Ids below 263 (the smaller fixture vocabulary); 1 is bos, 2 is eos in every fixture.
@@ -39,12 +39,9 @@ MIN_SAFE_MARGIN = 1e-3
 
 
 def versions():
-    return {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "peft": peft.__version__,
-    }
+    """make_golden.py's versions, less the two libraries this script does not use."""
+    every = make_golden.versions()
+    return {name: every[name] for name in ("python", "torch", "transformers", "peft")}
 
 
 def greedy(model, prompt, eos_ids):

@@ -10,7 +10,10 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <cstring>
 #include <string>
+
+#include "memtune/io/safetensors.h"
 
 namespace memtune::clitest {
 
@@ -45,6 +48,27 @@ inline std::filesystem::path scratch_dir(const std::string& name) {
 
 inline std::filesystem::path golden(const std::string& name) {
   return std::filesystem::path(MEMTUNE_SOURCE_DIR) / "tests/fixtures/golden" / name;
+}
+
+// A golden case's batch (tests/fixtures/golden/<name>/batch.safetensors) as JSON lines of
+// input_ids and labels at `path`, the form `memtune eval --data` reads; returns `path`.
+inline std::filesystem::path write_golden_batch_jsonl(const std::string& name, const std::filesystem::path& path) {
+  const SafetensorsFile batch = SafetensorsFile::open(golden(name) / "batch.safetensors");
+  const auto& ids = batch.get("input_ids");
+  const auto& labels = batch.get("labels");
+  std::ofstream out(path);
+  for (int64_t r = 0; r < ids.shape[0]; ++r) {
+    nlohmann::json row_ids = nlohmann::json::array(), row_labels = nlohmann::json::array();
+    for (int64_t t = 0; t < ids.shape[1]; ++t) {
+      int32_t v;
+      std::memcpy(&v, ids.data + 4 * (r * ids.shape[1] + t), 4);
+      row_ids.push_back(v);
+      std::memcpy(&v, labels.data + 4 * (r * ids.shape[1] + t), 4);
+      row_labels.push_back(v);
+    }
+    out << nlohmann::json{{"input_ids", row_ids}, {"labels", row_labels}}.dump() << "\n";
+  }
+  return path;
 }
 
 inline nlohmann::json read_json(const std::filesystem::path& path) {

@@ -107,22 +107,7 @@ TEST(CliFit, FindsTheFastestFittingSetAndRefusesTheImpossible) {
 TEST(CliEval, ReproducesTheLossOfTransformersAndPeft) {
   for (const char* name : {"gqa_rope", "tied_odd"}) {
     const fs::path dir = scratch_dir(std::string("eval_") + name);
-    const memtune::SafetensorsFile batch = memtune::SafetensorsFile::open(golden(name) / "batch.safetensors");
-    const auto& ids = batch.get("input_ids");
-    const auto& labels = batch.get("labels");
-    std::ofstream out(dir / "batch.jsonl");
-    for (int64_t r = 0; r < ids.shape[0]; ++r) {
-      nlohmann::json row_ids = nlohmann::json::array(), row_labels = nlohmann::json::array();
-      for (int64_t t = 0; t < ids.shape[1]; ++t) {
-        int32_t v;
-        std::memcpy(&v, ids.data + 4 * (r * ids.shape[1] + t), 4);
-        row_ids.push_back(v);
-        std::memcpy(&v, labels.data + 4 * (r * ids.shape[1] + t), 4);
-        row_labels.push_back(v);
-      }
-      out << nlohmann::json{{"input_ids", row_ids}, {"labels", row_labels}}.dump() << "\n";
-    }
-    out.close();
+    write_golden_batch_jsonl(name, dir / "batch.jsonl");
     const Result r = run_memtune("eval --model " + golden(name).string() + " --adapter " + (golden(name) / "adapter").string() +
                                  " --lora_r 4 --lora_alpha 8 --data " + (dir / "batch.jsonl").string());
     ASSERT_EQ(r.exit_code, 0) << r.output;

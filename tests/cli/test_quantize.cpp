@@ -26,25 +26,7 @@ namespace {
 using namespace memtune::clitest;
 
 // The golden batch as a JSONL file for memtune eval.
-fs::path write_batch_jsonl(const fs::path& dir) {
-  const SafetensorsFile batch = SafetensorsFile::open(golden("gqa_rope") / "batch.safetensors");
-  const auto& ids = batch.get("input_ids");
-  const auto& labels = batch.get("labels");
-  const fs::path path = dir / "batch.jsonl";
-  std::ofstream out(path);
-  for (int64_t r = 0; r < ids.shape[0]; ++r) {
-    nlohmann::json row_ids = nlohmann::json::array(), row_labels = nlohmann::json::array();
-    for (int64_t t = 0; t < ids.shape[1]; ++t) {
-      int32_t v;
-      std::memcpy(&v, ids.data + 4 * (r * ids.shape[1] + t), 4);
-      row_ids.push_back(v);
-      std::memcpy(&v, labels.data + 4 * (r * ids.shape[1] + t), 4);
-      row_labels.push_back(v);
-    }
-    out << nlohmann::json{{"input_ids", row_ids}, {"labels", row_labels}}.dump() << "\n";
-  }
-  return path;
-}
+fs::path write_batch_jsonl(const fs::path& dir) { return write_golden_batch_jsonl("gqa_rope", dir / "batch.jsonl"); }
 
 std::vector<uint8_t> bytes_of(Backend& backend, const Tensor& t) {
   std::vector<uint8_t> out(t.nbytes());

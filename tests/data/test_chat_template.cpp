@@ -11,72 +11,19 @@
 
 #include "memtune/core/error.h"
 #include "memtune/data/tokenizer.h"
+#include "../support/expect_error.h"
+#include "../support/tokenizer_data.h"
 
 using namespace memtune;
+using namespace memtune::test;  // tests/support: error_of, the tokenizer data
 using nlohmann::json;
 
 namespace {
-
-// Where the data is (MEMTUNE_SOURCE_DIR/../shared/data: CI clones the repo with shared/ beside
-// it), and JSON lines reading.
-
-std::filesystem::path llama3_tokenizer_dir() {
-  return std::filesystem::path(MEMTUNE_SOURCE_DIR) / ".." / "shared" / "data" /
-         "llama3-tokenizer";
-}
-
-std::filesystem::path tokenizer_fixture_dir() {
-  return std::filesystem::path(MEMTUNE_SOURCE_DIR) / "tests" / "fixtures" / "tokenizer";
-}
-
-// The real Llama 3 tokenizer, loaded once per test binary (it takes a fraction of a second).
-// The data must be there: CI clones the repo with shared/ beside it, so a missing file is a
-// broken checkout and fails loudly rather than skipping.
-const Tokenizer& llama3_tokenizer() {
-  static const Tokenizer* tokenizer = [] {
-    const auto path = llama3_tokenizer_dir() / "tokenizer.json";
-    if (!std::filesystem::exists(path)) {
-      ADD_FAILURE() << "Llama 3 tokenizer data missing: " << path.string()
-                    << " (expected shared/data/llama3-tokenizer beside the repository)";
-      return static_cast<Tokenizer*>(nullptr);
-    }
-    return new Tokenizer(Tokenizer::from_file(path));
-  }();
-  if (tokenizer == nullptr) throw std::runtime_error("Llama 3 tokenizer data missing");
-  return *tokenizer;
-}
-
-std::vector<nlohmann::json> read_jsonl(const std::filesystem::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw std::runtime_error("cannot open fixture " + path.string());
-  std::vector<nlohmann::json> rows;
-  std::string line;
-  while (std::getline(in, line)) {
-    if (!line.empty()) rows.push_back(nlohmann::json::parse(line));
-  }
-  return rows;
-}
-
-std::string ids_to_string(const std::vector<int32_t>& ids) {
-  std::string out = "[";
-  for (size_t i = 0; i < ids.size(); ++i) out += (i ? ", " : "") + std::to_string(ids[i]);
-  return out + "]";
-}
 
 std::vector<ChatMessage> messages_of(const json& row) {
   std::vector<ChatMessage> messages;
   for (const json& m : row["messages"]) messages.push_back({m["role"], m["content"]});
   return messages;
-}
-
-std::string error_of(const std::function<void()>& action) {
-  try {
-    action();
-  } catch (const Error& error) {
-    return error.what();
-  }
-  ADD_FAILURE() << "expected memtune::Error";
-  return "";
 }
 
 // transformers' apply_chat_template on shared/data's tokenizer_config.json, as text and ids.

@@ -16,72 +16,15 @@
 #include "memtune/core/error.h"
 #include "memtune/data/unicode_bytes.h"
 #include "memtune/io/file_util.h"
+#include "../support/expect_error.h"
+#include "../support/tokenizer_data.h"
 
 using namespace memtune;
+using namespace memtune::test;  // tests/support: error_of, the tokenizer data
 using nlohmann::json;
 namespace fs = std::filesystem;
 
 namespace {
-
-// Where the data is (MEMTUNE_SOURCE_DIR/../shared/data: CI clones the repo with shared/ beside
-// it), and JSON lines reading.
-
-std::filesystem::path llama3_tokenizer_dir() {
-  return std::filesystem::path(MEMTUNE_SOURCE_DIR) / ".." / "shared" / "data" /
-         "llama3-tokenizer";
-}
-
-std::filesystem::path tokenizer_fixture_dir() {
-  return std::filesystem::path(MEMTUNE_SOURCE_DIR) / "tests" / "fixtures" / "tokenizer";
-}
-
-// The real Llama 3 tokenizer, loaded once per test binary (it takes a fraction of a second).
-// The data must be there: CI clones the repo with shared/ beside it, so a missing file is a
-// broken checkout and fails loudly rather than skipping.
-const Tokenizer& llama3_tokenizer() {
-  static const Tokenizer* tokenizer = [] {
-    const auto path = llama3_tokenizer_dir() / "tokenizer.json";
-    if (!std::filesystem::exists(path)) {
-      ADD_FAILURE() << "Llama 3 tokenizer data missing: " << path.string()
-                    << " (expected shared/data/llama3-tokenizer beside the repository)";
-      return static_cast<Tokenizer*>(nullptr);
-    }
-    return new Tokenizer(Tokenizer::from_file(path));
-  }();
-  if (tokenizer == nullptr) throw std::runtime_error("Llama 3 tokenizer data missing");
-  return *tokenizer;
-}
-
-std::vector<nlohmann::json> read_jsonl(const std::filesystem::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw std::runtime_error("cannot open fixture " + path.string());
-  std::vector<nlohmann::json> rows;
-  std::string line;
-  while (std::getline(in, line)) {
-    if (!line.empty()) rows.push_back(nlohmann::json::parse(line));
-  }
-  return rows;
-}
-
-std::string ids_to_string(const std::vector<int32_t>& ids) {
-  std::string out = "[";
-  for (size_t i = 0; i < ids.size(); ++i) out += (i ? ", " : "") + std::to_string(ids[i]);
-  return out + "]";
-}
-
-#define EXPECT_CONTAINS(haystack, needle)                          \
-  EXPECT_NE(std::string(haystack).find(needle), std::string::npos) \
-      << "expected \"" << (needle) << "\" in: " << (haystack)
-
-std::string error_of(const std::function<void()>& action) {
-  try {
-    action();
-  } catch (const Error& error) {
-    return error.what();
-  }
-  ADD_FAILURE() << "expected memtune::Error";
-  return "";
-}
 
 std::vector<int32_t> ids_of(const json& row) { return row["ids"].get<std::vector<int32_t>>(); }
 
@@ -410,8 +353,9 @@ TEST(TokenizerJson, UnsupportedStructuresAreRefused) {
     json spec = tiny_spec();
     cases[i].change(spec);
     const std::string message = load_error(spec);
-    EXPECT_CONTAINS(message, cases[i].expected) << "case " << i;
-    EXPECT_CONTAINS(message, "test.json") << "case " << i;
+    SCOPED_TRACE("case " + std::to_string(i));
+    EXPECT_CONTAINS(message, cases[i].expected);
+    EXPECT_CONTAINS(message, "test.json");
   }
 }
 

@@ -14,6 +14,7 @@
 #include "gpu_timing.h"
 #include "memtune/ops/cuda/attention_flash.h"
 #include "memtune/ops/cuda/cuda_ops.h"
+#include "../support/attention_setup.h"
 
 namespace memtune::gputest {
 namespace {
@@ -34,17 +35,6 @@ std::string label(const Config& c, DType type) {
          std::to_string(c.head_dim) + (c.segments ? " segs " : " ") +
          (c.q_range != 1.5 ? "q" + std::to_string(static_cast<int>(c.q_range)) + " " : "") +
          optest::dtype_label(type);
-}
-
-AttentionDims dims_of(const Config& c) {
-  AttentionDims dims;
-  dims.batch = c.batch;
-  dims.seq = c.seq;
-  dims.n_heads = c.heads;
-  dims.n_kv_heads = c.kv_heads;
-  dims.head_dim = c.head_dim;
-  dims.scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
-  return dims;
 }
 
 // Packed rows: segments of random lengths (1 to seq / 2) in each batch row.
@@ -92,7 +82,7 @@ class CudaAttentionTest : public CudaTest {
   }
 
   Grads gpu_flash(const Config& c, const Inputs& in) {
-    const AttentionDims dims = dims_of(c);
+    const AttentionDims dims = test::attention_dims_of(c);
     const DType type = in.q.dtype;
     DeviceTensor q = upload(in.q), k = upload(in.k), v = upload(in.v), d_out = upload(in.d_out);
     DeviceTensor seg_holder;
@@ -107,7 +97,7 @@ class CudaAttentionTest : public CudaTest {
   }
 
   Grads gpu_eager(const Config& c, const Inputs& in) {
-    const AttentionDims dims = dims_of(c);
+    const AttentionDims dims = test::attention_dims_of(c);
     const DType type = in.q.dtype;
     DeviceTensor q = upload(in.q), k = upload(in.k), v = upload(in.v), d_out = upload(in.d_out);
     DeviceTensor seg_holder;
@@ -121,7 +111,7 @@ class CudaAttentionTest : public CudaTest {
   }
 
   Grads cpu_attention(const Config& c, const Inputs& in, bool flash) {
-    const AttentionDims dims = dims_of(c);
+    const AttentionDims dims = test::attention_dims_of(c);
     const DType type = in.q.dtype;
     const Tensor seg = in.segments.storage.empty() ? Tensor{} : in.segments.tensor();
     HostTensor out(type, in.q.shape), dq(type, in.q.shape), dk(type, in.k.shape), dv(type, in.k.shape);
@@ -229,7 +219,7 @@ TEST_F(CudaAttentionTest, Bf16FlashWithinTwiceEagerError) {
 // run's attention shape (seq 2048, 32 heads / 8 kv heads, head_dim 128, bf16, batch 8).
 TEST_F(CudaAttentionTest, TimingPrintFlashVsEager) {
   const Config c{8, 2048, 32, 8, 128, false};
-  const AttentionDims dims = dims_of(c);
+  const AttentionDims dims = test::attention_dims_of(c);
   const Inputs in = make_inputs(c, DType::bf16, rng_);
   DeviceTensor q = upload(in.q), k = upload(in.k), v = upload(in.v), d_out = upload(in.d_out);
   DeviceTensor out(gpu(), DType::bf16, in.q.shape), lse(gpu(), DType::f32, Shape{c.batch * c.heads * c.seq});
@@ -244,18 +234,6 @@ TEST_F(CudaAttentionTest, TimingPrintFlashVsEager) {
   const double flash_bwd = time_ms([&] {
     gpu().attention_flash_backward(dq, dk, dv, delta, dq_accum, d_out, out, lse, q, k, v, none, dims);
   });
-  // The previous backward (MEMTUNE_FLASH_BWD=v1) in the same run, for the A/B.
-  const cuda::FlashVersions versions = cuda::flash_versions();
-  cuda::FlashVersions v1 = versions;
-  v1.backward_v1 = true;
-  cuda::set_flash_versions(v1);
-  const double flash_v1_bwd = time_ms([&] {
-    gpu().attention_flash_backward(dq, dk, dv, delta, dq_accum, d_out, out, lse, q, k, v, none, dims);
-  });
-  v1.forward_v1 = true;
-  cuda::set_flash_versions(v1);
-  const double flash_v1_fwd = time_ms([&] { gpu().attention_flash_forward(out, lse, q, k, v, none, dims); });
-  cuda::set_flash_versions(versions);
   const double eager_fwd = time_ms([&] { gpu().attention_eager_forward(out, probs, scores, q, k, v, none, dims); });
   const double eager_bwd = time_ms([&] {
     gpu().attention_eager_backward(dq, dk, dv, scores, d_out, probs, q, k, v, none, dims);
@@ -268,10 +246,6 @@ TEST_F(CudaAttentionTest, TimingPrintFlashVsEager) {
   std::printf("  flash fwd %8.3f ms %7.1f TFLOP/s | bwd %8.3f ms %7.1f TFLOP/s | fwd+bwd %7.1f TFLOP/s\n",
               flash_fwd, tflops(fwd_flops, flash_fwd), flash_bwd, tflops(bwd_flops, flash_bwd),
               tflops(fwd_flops + bwd_flops, flash_fwd + flash_bwd));
-  std::printf("  flash-v1 fwd %8.3f ms %7.1f TFLOP/s | bwd %8.3f ms %7.1f TFLOP/s | fwd+bwd %7.1f TFLOP/s"
-              " (forward v1 and backward v1)\n",
-              flash_v1_fwd, tflops(fwd_flops, flash_v1_fwd), flash_v1_bwd, tflops(bwd_flops, flash_v1_bwd),
-              tflops(fwd_flops + bwd_flops, flash_v1_fwd + flash_v1_bwd));
   std::printf("  eager fwd %8.3f ms %7.1f TFLOP/s | bwd %8.3f ms %7.1f TFLOP/s | fwd+bwd %7.1f TFLOP/s\n",
               eager_fwd, tflops(fwd_flops, eager_fwd), eager_bwd, tflops(bwd_flops, eager_bwd),
               tflops(fwd_flops + bwd_flops, eager_fwd + eager_bwd));
@@ -282,7 +256,7 @@ TEST_F(CudaAttentionTest, TimingPrintFlashVsEager) {
 // also held against the default's (the variants differ only in rounding).
 TEST_F(CudaAttentionTest, TimingPrintFlashForwardVariants) {
   const Config c{8, 2048, 32, 8, 128, false};
-  const AttentionDims dims = dims_of(c);
+  const AttentionDims dims = test::attention_dims_of(c);
   const Inputs in = make_inputs(c, DType::bf16, rng_);
   DeviceTensor q = upload(in.q), k = upload(in.k), v = upload(in.v);
   DeviceTensor out(gpu(), DType::bf16, in.q.shape), lse(gpu(), DType::f32, Shape{c.batch * c.heads * c.seq});
@@ -311,7 +285,6 @@ TEST_F(CudaAttentionTest, TimingPrintFlashForwardVariants) {
   add("keys64 slack8", [](cuda::FlashVersions& v) { v.forward_keys = 64; v.forward_rescale_slack = 8; });
   add("keys32 grid-per-head", [](cuda::FlashVersions& v) { v.forward_keys = 32; v.forward_grid_per_head = true; });
   add("keys64 grid-per-head", [](cuda::FlashVersions& v) { v.forward_keys = 64; v.forward_grid_per_head = true; });
-  add("v1", [](cuda::FlashVersions& v) { v.forward_v1 = true; });
   const double fwd_flops = 4.0 * static_cast<double>(c.batch) * c.heads * c.seq * c.seq / 2.0 * c.head_dim;
   std::printf("TIMING flash forward variants b8 s2048 h32/8 d128 bf16 causal (median of 7):\n");
   for (const Variant& variant : variants) {

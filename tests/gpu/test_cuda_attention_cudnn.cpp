@@ -24,7 +24,8 @@
 #include "memtune/ops/cuda/cuda_backend.h"
 #include "memtune/ops/ragged_attention.h"
 #include "memtune/train/engine_arena.h"
-#include "../train/engine_test_util.h"
+#include "../support/engine_setup.h"
+#include "../support/attention_setup.h"
 
 namespace memtune::gputest {
 namespace {
@@ -39,17 +40,6 @@ std::string label(const Config& c, DType type) {
   return "b" + std::to_string(c.batch) + " s" + std::to_string(c.seq) + " h" +
          std::to_string(c.heads) + "/" + std::to_string(c.kv_heads) + " d" +
          std::to_string(c.head_dim) + " " + optest::dtype_label(type);
-}
-
-AttentionDims dims_of(const Config& c) {
-  AttentionDims dims;
-  dims.batch = c.batch;
-  dims.seq = c.seq;
-  dims.n_heads = c.heads;
-  dims.n_kv_heads = c.kv_heads;
-  dims.head_dim = c.head_dim;
-  dims.scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
-  return dims;
 }
 
 struct Results {
@@ -69,7 +59,7 @@ class CudnnAttentionTest : public CudaTest {
 
   Results gpu_cudnn(const Config& c, const HostTensor& hq, const HostTensor& hk,
                     const HostTensor& hv, const HostTensor& hdo) {
-    const AttentionDims dims = dims_of(c);
+    const AttentionDims dims = test::attention_dims_of(c);
     const DType type = hq.dtype;
     DeviceTensor q = upload(hq), k = upload(hk), v = upload(hv), d_out = upload(hdo);
     DeviceTensor out = poisoned(type, hq.shape), lse = poisoned(DType::f32, Shape{c.batch * c.heads * c.seq});
@@ -85,7 +75,7 @@ class CudnnAttentionTest : public CudaTest {
 
   Results cpu_flash(const Config& c, const HostTensor& q, const HostTensor& k, const HostTensor& v,
                     const HostTensor& d_out) {
-    const AttentionDims dims = dims_of(c);
+    const AttentionDims dims = test::attention_dims_of(c);
     const DType type = q.dtype;
     HostTensor out(type, q.shape), dq(type, q.shape), dk(type, k.shape), dv(type, k.shape);
     HostTensor lse(DType::f32, Shape{c.batch * c.heads * c.seq}), delta = lse;
@@ -128,7 +118,7 @@ TEST_F(CudnnAttentionTest, WorkspaceFitsThePlannedBound) {
                             {2, 17, 4, 1, 64},     {1, 32768, 32, 8, 128}};
   for (const Config& c : configs)
     for (bool backward : {false, true}) {
-      const AttentionDims dims = dims_of(c);
+      const AttentionDims dims = test::attention_dims_of(c);
       const size_t need = cuda().cudnn_attention_workspace_bytes(dims, DType::bf16, backward);
       const size_t bound = 4 * static_cast<size_t>(cudnn_attention_workspace_floats(dims, backward));
       if (need == cuda::kCudnnUnsupported) {
@@ -145,7 +135,7 @@ TEST_F(CudnnAttentionTest, WorkspaceFitsThePlannedBound) {
 // A workspace smaller than the graph needs is a clear error, not an allocation.
 TEST_F(CudnnAttentionTest, TooSmallWorkspaceFails) {
   const Config c{2, 2048, 32, 8, 128};
-  const AttentionDims dims = dims_of(c);
+  const AttentionDims dims = test::attention_dims_of(c);
   const size_t need = cuda().cudnn_attention_workspace_bytes(dims, DType::bf16, true);
   if (need == 0 || need == cuda::kCudnnUnsupported) GTEST_SKIP() << "no workspace";
   const int64_t n = c.batch * c.seq;
@@ -213,7 +203,7 @@ TEST_F(CudnnAttentionTest, WholeStepMatchesFlash) {
 TEST_F(CudnnAttentionTest, TimingPrintCudnnVsFlash) {
   for (const Config c : {Config{8, 2048, 32, 8, 128}, Config{2, 8192, 32, 8, 128},
                          Config{1, 32768, 32, 8, 128}, Config{8, 2048, 32, 8, 64}}) {
-    const AttentionDims dims = dims_of(c);
+    const AttentionDims dims = test::attention_dims_of(c);
     const int64_t n = c.batch * c.seq;
     const HostTensor hq = random_tensor(DType::bf16, Shape{n, c.heads * c.head_dim}, rng_, -1.5, 1.5);
     const HostTensor hk = random_tensor(DType::bf16, Shape{n, c.kv_heads * c.head_dim}, rng_, -1.5, 1.5);
@@ -276,7 +266,7 @@ std::string packed_label(const PackedConfig& c, DType type) {
 }
 
 AttentionDims packed_dims(const PackedConfig& c) {
-  return dims_of(Config{c.batch(), c.seq, c.heads, c.kv_heads, c.head_dim});
+  return test::attention_dims_of(Config{c.batch(), c.seq, c.heads, c.kv_heads, c.head_dim});
 }
 
 // write_row's numbering: 0, 1, ... per sample, the padding one more.
@@ -601,7 +591,7 @@ TEST_F(CudnnRaggedTest, WorkspaceFitsThePlannedBoundAndGraphBuildTimes) {
   };
   op().set_ragged_stats(cuda::RaggedStats::token_major);
   for (const Case& c : cases) {
-    const AttentionDims dims = dims_of(c.shape);
+    const AttentionDims dims = test::attention_dims_of(c.shape);
     RaggedAttention r;
     r.slots = c.slots;
     r.max_len = c.max_len;
@@ -741,7 +731,7 @@ TEST_F(CudnnRaggedTest, TimingPrintPackedVsUnpacked) {
   };
   auto tflops = [](double flops, double ms) { return flops / (ms * 1e-3) / 1e12; };
   for (const Case& c : cases) {
-    const AttentionDims pd = packed_dims(c.packed), ud = dims_of(c.unpacked);
+    const AttentionDims pd = packed_dims(c.packed), ud = test::attention_dims_of(c.unpacked);
     ASSERT_EQ(pd.tokens(), ud.tokens());
     const std::vector<int32_t> ids = packed_segments(c.packed);
     const int64_t n = pd.tokens();

@@ -9,6 +9,7 @@
 #include "gpu_test_util.h"
 #include "../support/fixtures.h"
 #include "memtune/step/llama_generate.h"
+#include "../support/attention_setup.h"
 
 namespace memtune::gputest {
 namespace {
@@ -30,13 +31,7 @@ TEST_F(CudaDecodeTest, AttentionDecodeMatchesCpu) {
                                std::to_string(c.heads) + "/" + std::to_string(c.kv_heads) + " d" +
                                std::to_string(c.head_dim) + " " + optest::dtype_label(type);
       const int64_t capacity = c.kv_len + 7, kv_width = c.kv_heads * c.head_dim;
-      AttentionDims dims;
-      dims.batch = c.batch;
-      dims.seq = c.kv_len;
-      dims.n_heads = c.heads;
-      dims.n_kv_heads = c.kv_heads;
-      dims.head_dim = c.head_dim;
-      dims.scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+      const AttentionDims dims = test::attention_dims(c.batch, c.kv_len, c.heads, c.kv_heads, c.head_dim);
       const HostTensor q = optest::random_tensor(type, Shape{c.batch, c.heads * c.head_dim}, rng_, -1.5f, 1.5f);
       HostTensor k = optest::random_tensor(type, Shape{c.batch, capacity, kv_width}, rng_, -1.5f, 1.5f);
       HostTensor v = optest::random_tensor(type, Shape{c.batch, capacity, kv_width}, rng_);

@@ -274,15 +274,7 @@ TEST_F(CudaQuantTest, NonFiniteWeightRaisesTheReferenceError) {
 // The engine's two routes to a 4-bit base on the device: init_random (fill_random into an f32
 // scratch, then quantize_4bit) and upload (host data copied to a scratch, then quantize_4bit).
 TEST_F(CudaQuantTest, ModelWeightsInitRandomAndUploadOnDevice) {
-  LlamaConfig model;
-  model.hidden_size = 45;
-  model.intermediate_size = 103;
-  model.num_hidden_layers = 2;
-  model.num_attention_heads = 5;
-  model.num_key_value_heads = 1;
-  model.head_dim = 9;
-  model.vocab_size = 50;
-  model.max_position_embeddings = 64;
+  const LlamaConfig model = odd_tiny_model();
   const uint64_t seed = 7;
   for (const QuantConfig& config : {make_config(QuantType::nf4, 64, true), make_config(QuantType::fp4, 128, false)}) {
     Memory plan(Device::meta, nullptr, 0);

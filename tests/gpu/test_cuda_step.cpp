@@ -13,7 +13,7 @@
 #include "memtune/model/llama_config.h"
 #include "memtune/ops/device.h"
 #include "memtune/train/engine_arena.h"
-#include "../train/engine_test_util.h"
+#include "../support/engine_setup.h"
 
 namespace memtune::gputest {
 namespace {

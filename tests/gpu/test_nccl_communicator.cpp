@@ -7,10 +7,10 @@
 #include <map>
 
 #include "gpu_test_util.h"
-#include "memtune/dist/communicator.h"
-#include "memtune/dist/data_parallel.h"
-#include "memtune/dist/launch_env.h"
-#include "memtune/dist/sharded_base.h"
+#include "memtune/parallel/communicator.h"
+#include "memtune/parallel/data_parallel.h"
+#include "memtune/parallel/launch_env.h"
+#include "memtune/parallel/sharded_base.h"
 #include "memtune/train/engine_arena.h"
 #include "memtune/model/llama_config.h"
 

@@ -9,45 +9,20 @@
 
 #include "memtune/core/error.h"
 #include "memtune/io/file_util.h"
+#include "../support/expect_error.h"
+#include "../support/temp_dir.h"
 
 using namespace memtune;
+using memtune::test::error_of;
 namespace fs = std::filesystem;
 
 namespace {
 
-// Evaluates its arguments once: they are often calls that are expected to throw.
-#define EXPECT_CONTAINS(haystack, needle)                                        \
-  do {                                                                           \
-    const std::string contains_haystack_ = (haystack);                           \
-    const std::string contains_needle_ = (needle);                               \
-    EXPECT_NE(contains_haystack_.find(contains_needle_), std::string::npos)      \
-        << "expected \"" << contains_needle_ << "\" in: " << contains_haystack_; \
-  } while (0)
-
 // A fresh directory per test, removed afterwards; tests run in parallel under ctest.
-class FileUtilTest : public ::testing::Test {
+class FileUtilTest : public test::TempDirTest {
  protected:
-  void SetUp() override {
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    dir_ = fs::temp_directory_path() /
-           ("memtune_io_" + std::to_string(::getpid()) + "_" + info->name());
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
-  }
-  void TearDown() override { fs::remove_all(dir_); }
-
-  fs::path dir_;
+  FileUtilTest() : TempDirTest("memtune_io") {}
 };
-
-std::string error_of(const std::function<void()>& action) {
-  try {
-    action();
-  } catch (const Error& error) {
-    return error.what();
-  }
-  ADD_FAILURE() << "expected memtune::Error";
-  return "";
-}
 
 }  // namespace
 

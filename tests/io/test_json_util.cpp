@@ -8,43 +8,19 @@
 #include "memtune/core/error.h"
 #include "memtune/io/file_util.h"
 #include "memtune/io/json_util.h"
+#include "../support/expect_error.h"
+#include "../support/temp_dir.h"
 
 using namespace memtune;
+using memtune::test::error_of;
 namespace fs = std::filesystem;
 using nlohmann::json;
 
 namespace {
 
-// Evaluates its arguments once: they are often calls that are expected to throw.
-#define EXPECT_CONTAINS(haystack, needle)                                        \
-  do {                                                                           \
-    const std::string contains_haystack_ = (haystack);                           \
-    const std::string contains_needle_ = (needle);                               \
-    EXPECT_NE(contains_haystack_.find(contains_needle_), std::string::npos)      \
-        << "expected \"" << contains_needle_ << "\" in: " << contains_haystack_; \
-  } while (0)
-
-std::string error_of(const std::function<void()>& action) {
-  try {
-    action();
-  } catch (const Error& error) {
-    return error.what();
-  }
-  ADD_FAILURE() << "expected memtune::Error";
-  return "";
-}
-
-class JsonFileTest : public ::testing::Test {
+class JsonFileTest : public test::TempDirTest {
  protected:
-  void SetUp() override {
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    dir_ = fs::temp_directory_path() /
-           ("memtune_json_" + std::to_string(::getpid()) + "_" + info->name());
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
-  }
-  void TearDown() override { fs::remove_all(dir_); }
-  fs::path dir_;
+  JsonFileTest() : TempDirTest("memtune_json") {}
 };
 
 const json kConfig = json::parse(R"({

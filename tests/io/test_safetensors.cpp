@@ -12,30 +12,14 @@
 #include "memtune/core/error.h"
 #include "memtune/io/file_util.h"
 #include "memtune/io/safetensors.h"
+#include "../support/expect_error.h"
+#include "../support/temp_dir.h"
 
 using namespace memtune;
+using memtune::test::error_of;
 namespace fs = std::filesystem;
 
 namespace {
-
-// Evaluates its arguments once: they are often calls that are expected to throw.
-#define EXPECT_CONTAINS(haystack, needle)                                        \
-  do {                                                                           \
-    const std::string contains_haystack_ = (haystack);                           \
-    const std::string contains_needle_ = (needle);                               \
-    EXPECT_NE(contains_haystack_.find(contains_needle_), std::string::npos)      \
-        << "expected \"" << contains_needle_ << "\" in: " << contains_haystack_; \
-  } while (0)
-
-std::string error_of(const std::function<void()>& action) {
-  try {
-    action();
-  } catch (const Error& error) {
-    return error.what();
-  }
-  ADD_FAILURE() << "expected memtune::Error";
-  return "";
-}
 
 SafetensorsFile parse_bytes(const std::string& bytes, std::string source = "test.safetensors") {
   return SafetensorsFile::parse(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size(),
@@ -58,17 +42,9 @@ std::string le_bytes(const void* data, size_t size) {
   return std::string(static_cast<const char*>(data), size);
 }
 
-class SafetensorsTest : public ::testing::Test {
+class SafetensorsTest : public test::TempDirTest {
  protected:
-  void SetUp() override {
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    dir_ = fs::temp_directory_path() /
-           ("memtune_st_" + std::to_string(::getpid()) + "_" + info->name());
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
-  }
-  void TearDown() override { fs::remove_all(dir_); }
-  fs::path dir_;
+  SafetensorsTest() : TempDirTest("memtune_st") {}
 };
 
 // Every dtype, a scalar, an empty tensor and metadata: the small valid file the prefix and

@@ -14,30 +14,14 @@
 #include "memtune/io/file_util.h"
 #include "memtune/io/json_util.h"
 #include "memtune/io/safetensors.h"
+#include "../support/expect_error.h"
+#include "../support/temp_dir.h"
 
 using namespace memtune;
+using memtune::test::error_of;
 namespace fs = std::filesystem;
 
 namespace {
-
-// Evaluates its arguments once: they are often calls that are expected to throw.
-#define EXPECT_CONTAINS(haystack, needle)                                        \
-  do {                                                                           \
-    const std::string contains_haystack_ = (haystack);                           \
-    const std::string contains_needle_ = (needle);                               \
-    EXPECT_NE(contains_haystack_.find(contains_needle_), std::string::npos)      \
-        << "expected \"" << contains_needle_ << "\" in: " << contains_haystack_; \
-  } while (0)
-
-std::string error_of(const std::function<void()>& action) {
-  try {
-    action();
-  } catch (const Error& error) {
-    return error.what();
-  }
-  ADD_FAILURE() << "expected memtune::Error";
-  return "";
-}
 
 // A tiny Llama-shaped parameter set: two layers of f32 weights with distinct values.
 struct TinyModel {
@@ -84,16 +68,9 @@ void expect_checkpoint_holds(const SafetensorsCheckpoint& checkpoint, const Tiny
   }
 }
 
-class CheckpointTest : public ::testing::Test {
+class CheckpointTest : public test::TempDirTest {
  protected:
-  void SetUp() override {
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    dir_ = fs::temp_directory_path() /
-           ("memtune_ckpt_" + std::to_string(::getpid()) + "_" + info->name());
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
-  }
-  void TearDown() override { fs::remove_all(dir_); }
+  CheckpointTest() : TempDirTest("memtune_ckpt") {}
 
   std::vector<std::string> files_in(const fs::path& directory) const {
     std::vector<std::string> names;
@@ -104,7 +81,6 @@ class CheckpointTest : public ::testing::Test {
     return names;
   }
 
-  fs::path dir_;
   TinyModel model_;
 };
 

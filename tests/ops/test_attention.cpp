@@ -10,6 +10,7 @@
 
 #include "memtune/ops/backend.h"
 #include "op_test_util.h"
+#include "../support/attention_setup.h"
 
 using namespace memtune;
 using namespace memtune::optest;
@@ -24,17 +25,6 @@ struct AttentionCase {
 std::string label(const AttentionCase& c) {
   return fmt::format("b{} s{} h{} kv{} d{}{}", c.batch, c.seq, c.heads, c.kv_heads, c.head_dim,
                      c.segmented ? " segmented" : "");
-}
-
-AttentionDims dims_of(const AttentionCase& c) {
-  AttentionDims dims;
-  dims.batch = c.batch;
-  dims.seq = c.seq;
-  dims.n_heads = c.heads;
-  dims.n_kv_heads = c.kv_heads;
-  dims.head_dim = c.head_dim;
-  dims.scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
-  return dims;
 }
 
 // Seq 1 and 17, head_dim 8/16/24, GQA ratios 1, 2 and 4, sequences longer than the flash
@@ -70,7 +60,7 @@ struct AttentionInputs {
 
 AttentionInputs random_inputs(const AttentionCase& c, DType dtype, std::mt19937_64& rng) {
   AttentionInputs in;
-  in.dims = dims_of(c);
+  in.dims = test::attention_dims_of(c);
   const int64_t n = c.batch * c.seq;
   // Spread 2: scores of a few units, so the softmax is far from uniform.
   in.q = random_tensor(dtype, {n, c.heads * c.head_dim}, rng, -2.0f, 2.0f);

@@ -11,7 +11,7 @@
 #include "memtune/model/llama_config.h"
 #include "memtune/ops/backend.h"
 #include "memtune/ops/timed_backend.h"
-#include "memtune/report/measure.h"
+#include "memtune/experiment/measure.h"
 #include "memtune/train/run_config.h"
 
 namespace memtune {

@@ -14,8 +14,10 @@
 #include <vector>
 
 #include "memtune/core/error.h"
+#include "memtune/model/llama_config.h"
 #include "memtune/ops/backend.h"
 #include "memtune/quant/nf4.h"
+#include "../support/expect_error.h"
 
 namespace memtune::quanttest {
 
@@ -89,13 +91,22 @@ inline std::vector<float> normal_values(int64_t n, std::mt19937_64& rng, float s
 }
 
 // The message of the memtune::Error that body throws; empty when it throws none.
-inline std::string error_of(const std::function<void()>& body) {
-  try {
-    body();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
+inline std::string error_of(const std::function<void()>& action) { return test::error_or_empty(action); }
+
+// A model whose projections have odd element counts and partial blocks (45 x 45, 9 x 45, ...).
+inline LlamaConfig odd_tiny_model() {
+  LlamaConfig c;
+  c.hidden_size = 45;
+  c.intermediate_size = 103;
+  c.num_hidden_layers = 2;
+  c.num_attention_heads = 5;
+  c.num_key_value_heads = 1;
+  c.head_dim = 9;
+  c.vocab_size = 50;
+  c.max_position_embeddings = 64;
+  c.initializer_range = 0.02;
+  c.name = "odd-tiny";
+  return c;
 }
 
 }  // namespace memtune::quanttest

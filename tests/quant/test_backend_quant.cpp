@@ -131,22 +131,6 @@ TEST(BackendQuant, MetaBackendIgnoresQuantize) {
   EXPECT_EQ(q.nested_offset, 0.0f);
 }
 
-// A model whose projections have odd element counts and partial blocks (45 x 45, 9 x 45, ...).
-LlamaConfig odd_tiny_model() {
-  LlamaConfig c;
-  c.hidden_size = 45;
-  c.intermediate_size = 103;
-  c.num_hidden_layers = 2;
-  c.num_attention_heads = 5;
-  c.num_key_value_heads = 1;
-  c.head_dim = 9;
-  c.vocab_size = 50;
-  c.max_position_embeddings = 64;
-  c.initializer_range = 0.02;
-  c.name = "odd-tiny";
-  return c;
-}
-
 uint64_t fnv1a(uint64_t hash, const void* data, size_t bytes) {
   const auto* p = static_cast<const uint8_t*>(data);
   for (size_t i = 0; i < bytes; ++i) hash = (hash ^ p[i]) * 0x100000001b3ull;

@@ -7,6 +7,7 @@
 #include "memtune/core/error.h"
 #include "memtune/quant/bnb_format.h"
 #include "memtune/quant/nf4.h"
+#include "../support/expect_error.h"
 
 using namespace memtune;
 
@@ -44,14 +45,7 @@ struct Store {
   }
 };
 
-std::string error_of(const std::function<void()>& body) {
-  try {
-    body();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
+std::string error_of(const std::function<void()>& action) { return test::error_or_empty(action); }
 
 void expect_same(const QuantizedWeight& a, const QuantizedWeight& b) {
   EXPECT_EQ(a.config, b.config);

@@ -1,5 +1,4 @@
 // Helpers shared by the report tests: fixtures, a CSV reader, and an XML well-formedness check.
-// (Kept in a .cpp: the test files declare what they use, see test_ladder_report.cpp.)
 #include <cctype>
 #include <cstdlib>
 #include <filesystem>
@@ -9,6 +8,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "report_test_util.h"
 #include "memtune/io/json_util.h"
 
 namespace memtune::report_test {

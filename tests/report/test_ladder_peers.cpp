@@ -8,32 +8,15 @@
 
 #include "memtune/core/error.h"
 #include "memtune/report/ladder_report.h"
+#include "../support/expect_error.h"
+#include "report_test_util.h"
 
 using namespace memtune;
 using nlohmann::json;
 
-namespace memtune::report_test {  // report_test_util.cpp
-json load_fixture(std::string_view name);
-std::vector<std::vector<std::string>> parse_csv(std::string_view text);
-std::string xml_well_formedness_error(std::string_view xml);
-}  // namespace memtune::report_test
 using namespace memtune::report_test;
 
 namespace {
-
-#define EXPECT_CONTAINS(haystack, needle)                                        \
-  do {                                                                           \
-    const std::string contains_haystack_ = (haystack);                           \
-    const std::string contains_needle_ = (needle);                               \
-    EXPECT_NE(contains_haystack_.find(contains_needle_), std::string::npos)      \
-        << "expected \"" << contains_needle_ << "\" in:\n" << contains_haystack_; \
-  } while (0)
-
-size_t count_of(std::string_view haystack, std::string_view needle) {
-  size_t count = 0;
-  for (size_t pos = haystack.find(needle); pos != std::string_view::npos; pos = haystack.find(needle, pos + 1)) ++count;
-  return count;
-}
 
 // The runner fixture as if it had run on a GPU: device peaks = planned + 500 MB (the peer
 // fixtures' device peaks are that x 0.95 for Liger and x 0.8 for Unsloth).

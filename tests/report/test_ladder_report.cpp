@@ -12,34 +12,16 @@
 #include "memtune/core/memory.h"
 #include "memtune/io/file_util.h"
 #include "memtune/report/ladder_report.h"
+#include "../support/expect_error.h"
+#include "report_test_util.h"
 
 using namespace memtune;
 using nlohmann::json;
 namespace fs = std::filesystem;
 
-namespace memtune::report_test {  // report_test_util.cpp
-json load_fixture(std::string_view name);
-std::vector<std::vector<std::string>> parse_csv(std::string_view text);
-std::string xml_well_formedness_error(std::string_view xml);
-int python_minidom_check(const fs::path& file);
-}  // namespace memtune::report_test
 using namespace memtune::report_test;
 
 namespace {
-
-#define EXPECT_CONTAINS(haystack, needle)                                        \
-  do {                                                                           \
-    const std::string contains_haystack_ = (haystack);                           \
-    const std::string contains_needle_ = (needle);                               \
-    EXPECT_NE(contains_haystack_.find(contains_needle_), std::string::npos)      \
-        << "expected \"" << contains_needle_ << "\" in:\n" << contains_haystack_; \
-  } while (0)
-
-size_t count_of(std::string_view haystack, std::string_view needle) {
-  size_t count = 0;
-  for (size_t pos = haystack.find(needle); pos != std::string_view::npos; pos = haystack.find(needle, pos + 1)) ++count;
-  return count;
-}
 
 // The message of the memtune::Error that `render` throws, or "" when it does not throw.
 template <typename F>

@@ -8,24 +8,16 @@
 
 #include "memtune/io/file_util.h"
 #include "memtune/report/svg.h"
+#include "report_test_util.h"
 
 using namespace memtune;
 namespace fs = std::filesystem;
 
-namespace memtune::report_test {  // report_test_util.cpp
-std::string xml_well_formedness_error(std::string_view xml);
-int python_minidom_check(const fs::path& file);
-}  // namespace memtune::report_test
+using memtune::report_test::count_of;
 using memtune::report_test::python_minidom_check;
 using memtune::report_test::xml_well_formedness_error;
 
 namespace {
-
-size_t count_of(std::string_view haystack, std::string_view needle) {
-  size_t count = 0;
-  for (size_t pos = haystack.find(needle); pos != std::string_view::npos; pos = haystack.find(needle, pos + 1)) ++count;
-  return count;
-}
 
 std::vector<Series> sweep_series() {
   const std::vector<double> seqs = {512, 1024, 2048, 4096, 8192};

@@ -15,31 +15,13 @@
 #include "memtune/ops/backend.h"
 #include "memtune/train/engine_arena.h"
 #include "memtune/train/trainer.h"
-#include "engine_test_util.h"
+#include "../support/engine_setup.h"
 
 using namespace memtune;
 
 namespace {
 
-using enginetest::adapter_grads;
-using enginetest::init_with_nonzero_b;
-using enginetest::rel_error;
-using enginetest::small_model;
-using enginetest::small_run;
-
-// Samples of the given lengths with seeded ids; every third one has a 2-token prompt (-100).
-Dataset dataset_of_lengths(const std::vector<int>& lengths, uint64_t seed) {
-  Dataset data;
-  for (size_t i = 0; i < lengths.size(); ++i) {
-    Sample s;
-    for (int t = 0; t < lengths[i]; ++t)
-      s.input_ids.push_back(static_cast<int32_t>(dropout_hash(seed, i * 1000 + t) % 300));
-    s.labels = s.input_ids;
-    if (i % 3 == 0) s.labels[0] = s.labels[1] = -100;
-    data.samples.push_back(std::move(s));
-  }
-  return data;
-}
+using namespace enginetest;  // the shared engine set-up (tests/support/engine_setup.h)
 
 // The micro-batches of the trainer's first step, for a run and trainer options.
 std::vector<HostMicroBatch> first_step(Engine& engine, const Dataset& data, const TrainerOptions& options) {
@@ -108,7 +90,7 @@ TEST(DataShapes, PaddedLengthRoundsUpToTheMultipleWithinTheCap) {
 TEST(DataShapes, MicroBatchesRunAtTheirLongestRowRoundedUp) {
   const LlamaConfig model = small_model();
   const RunConfig run = run_for(kCases[1]);
-  const Dataset data = dataset_of_lengths(kLengths, 5);
+  const Dataset data = seeded_dataset(kLengths, 5);
   auto cpu = make_cpu_backend();
   PlannedEngine engine(*cpu, run, model);
   TrainerOptions longest;
@@ -155,7 +137,7 @@ TEST(DataShapes, MicroBatchesRunAtTheirLongestRowRoundedUp) {
 
 TEST(DataShapes, ShapedAndPaddingFreeStepsEqualThePaddedStep) {
   const LlamaConfig model = small_model();
-  const Dataset data = dataset_of_lengths(kLengths, 5);
+  const Dataset data = seeded_dataset(kLengths, 5);
   for (const ShapeCase& c : kCases) {
     SCOPED_TRACE(case_name(c));
     const RunConfig run = run_for(c);
@@ -196,7 +178,7 @@ TEST(DataShapes, ShapedAndPaddingFreeStepsEqualThePaddedStep) {
 
 TEST(DataShapes, OffloadedLayerInputsAtAShorterShapeGiveThePaddedStep) {
   const LlamaConfig model = small_model();
-  const Dataset data = dataset_of_lengths(kLengths, 9);
+  const Dataset data = seeded_dataset(kLengths, 9);
   RunConfig run = run_for({"flash", true, 16, "chunked"});
   run.offload_activations = true;
   auto cpu = make_cpu_backend();
@@ -217,7 +199,7 @@ TEST(DataShapes, GroupByLengthVisitsEveryRowOnceAndPadsLess) {
   const LlamaConfig model = small_model();
   std::vector<int> lengths;
   for (int i = 0; i < 60; ++i) lengths.push_back(3 + static_cast<int>(dropout_hash(3, i) % 37));
-  const Dataset data = dataset_of_lengths(lengths, 2);
+  const Dataset data = seeded_dataset(lengths, 2);
   RunConfig run = run_for(kCases[1]);
   run.gradient_accumulation_steps = 1;
   auto cpu = make_cpu_backend();

@@ -9,7 +9,7 @@
 #include "memtune/model/llama_config.h"
 #include "memtune/ops/backend.h"
 #include "memtune/train/engine_arena.h"
-#include "engine_test_util.h"
+#include "../support/engine_setup.h"
 
 using namespace memtune;
 

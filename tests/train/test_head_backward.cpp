@@ -7,7 +7,7 @@
 
 #include <vector>
 
-#include "engine_test_util.h"
+#include "../support/engine_setup.h"
 #include "memtune/ops/backend.h"
 #include "memtune/train/engine.h"
 #include "memtune/train/engine_arena.h"

@@ -13,7 +13,7 @@
 #include "memtune/model/llama_config.h"
 #include "memtune/ops/backend.h"
 #include "memtune/train/engine_arena.h"
-#include "engine_test_util.h"
+#include "../support/engine_setup.h"
 #include "memtune/train/yaml_config.h"
 #include "memtune/plan/fit.h"
 #include "memtune/train/engine.h"
@@ -22,9 +22,7 @@ using namespace memtune;
 
 namespace {
 
-using enginetest::random_batches;
-using enginetest::rel_error;
-using enginetest::small_model;
+using namespace enginetest;  // the shared engine set-up (tests/support/engine_setup.h)
 
 constexpr int64_t kBatch = 2, kSeq = 24, kTokens = kBatch * kSeq;
 

@@ -9,7 +9,7 @@
 #include <deque>
 #include <cstring>
 
-#include "engine_test_util.h"
+#include "../support/engine_setup.h"
 #include "memtune/core/error.h"
 #include "memtune/model/llama_config.h"
 #include "memtune/ops/backend.h"
@@ -209,44 +209,52 @@ const std::vector<Variant>& variants() {
   return all;
 }
 
-TEST(Offload, OffloadedStepsAreBitIdenticalToPlainCheckpointedSteps) {
-  const LlamaConfig model = four_layer_model();
+// The same training, bit for bit: losses, adapter gradients and the adapters after the steps.
+void expect_identical_training(const StepsResult& got, const StepsResult& want) {
+  EXPECT_EQ(got.losses, want.losses);
+  EXPECT_EQ(got.grads, want.grads);
+  EXPECT_EQ(got.lora_weights, want.lora_weights);
+}
+
+// For every variant: its two checkpointed steps without offloading (`plain`, on a CPU backend),
+// then check(cpu, run, plain) with the same backend and run the same settings with
+// offload_activations on.
+template <typename Check>
+void for_each_offloaded_variant(const LlamaConfig& model, Check check) {
   for (const Variant& v : variants()) {
     SCOPED_TRACE(v.name());
     RunConfig run = v.run();
     auto cpu = make_cpu_backend();
     const StepsResult plain = two_steps(*cpu, run, model);
     run.offload_activations = true;
-    const StepsResult offloaded = two_steps(*cpu, run, model);
-    EXPECT_EQ(offloaded.losses, plain.losses);
-    EXPECT_EQ(offloaded.grads, plain.grads);
-    EXPECT_EQ(offloaded.lora_weights, plain.lora_weights);
+    check(*cpu, run, plain);
+  }
+}
+
+TEST(Offload, OffloadedStepsAreBitIdenticalToPlainCheckpointedSteps) {
+  const LlamaConfig model = four_layer_model();
+  for_each_offloaded_variant(model, [&](Backend& cpu, const RunConfig& run, const StepsResult& plain) {
+    const StepsResult offloaded = two_steps(cpu, run, model);
+    expect_identical_training(offloaded, plain);
     // Two device slots instead of five layer inputs; three layer inputs on the host.
     EXPECT_LT(offloaded.arena_bytes, plain.arena_bytes);
     EXPECT_EQ(plain.host_bytes, 0u);
     const uint64_t layer_input_bytes = static_cast<uint64_t>(run.per_device_train_batch_size * run.max_seq_length *
                                                              model.hidden_size) * dtype_size(precision_dtype(run.precision));
     EXPECT_EQ(offloaded.host_bytes, 3 * layer_input_bytes);
-  }
+  });
 }
 
 TEST(Offload, TheStepWaitsForEveryCopyBeforeItOverwritesOrReadsASlot) {
   const LlamaConfig model = four_layer_model();
-  for (const Variant& v : variants()) {
-    SCOPED_TRACE(v.name());
-    RunConfig run = v.run();
-    auto cpu = make_cpu_backend();
-    const StepsResult plain = two_steps(*cpu, run, model);
-    run.offload_activations = true;
+  for_each_offloaded_variant(model, [&](Backend&, const RunConfig& run, const StepsResult& plain) {
     DeferredCopyBackend deferred;
     const StepsResult offloaded = two_steps(deferred, run, model);
-    EXPECT_EQ(offloaded.losses, plain.losses);
-    EXPECT_EQ(offloaded.grads, plain.grads);
-    EXPECT_EQ(offloaded.lora_weights, plain.lora_weights);
+    expect_identical_training(offloaded, plain);
     // 4 micro-batches x (3 out + 3 in): the copies did happen, through the queue.
     EXPECT_EQ(deferred.copies_run(), 4 * 6);
     EXPECT_GT(deferred.waits(), 0);
-  }
+  });
 }
 
 TEST(Offload, ThePlanHasTwoDeviceSlotsAndTheLayerInputsOnTheHost) {
@@ -335,9 +343,7 @@ TEST(OffloadEmbeddings, StepsAreBitIdenticalAndTheTableLeavesTheArena) {
     const StepsResult plain = two_steps(*cpu, run, model);
     run.offload_embeddings = true;
     const StepsResult offloaded = two_steps(*cpu, run, model);
-    EXPECT_EQ(offloaded.losses, plain.losses);
-    EXPECT_EQ(offloaded.grads, plain.grads);
-    EXPECT_EQ(offloaded.lora_weights, plain.lora_weights);
+    expect_identical_training(offloaded, plain);
     const uint64_t table_bytes = static_cast<uint64_t>(model.vocab_size * model.hidden_size) *
                                  dtype_size(precision_dtype(run.precision));
     EXPECT_EQ(offloaded.host_bytes, plain.host_bytes + table_bytes);

@@ -15,6 +15,7 @@
 #include "memtune/core/error.h"
 #include "memtune/train/run_settings.h"
 #include "memtune/train/step_health.h"
+#include "../support/expect_error.h"
 
 using namespace memtune;
 namespace fs = std::filesystem;
@@ -33,14 +34,7 @@ void make_checkpoint(const fs::path& dir, int64_t step) {
   std::ofstream(dir / "trainer_state.json") << "{\"step\": " << step << "}\n";
 }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
+std::string error_of(const std::function<void()>& action) { return test::error_or_empty(action); }
 
 TEST(OutputDir, CheckpointsAreFoundByStepNumberAndOnlyWhenComplete) {
   const fs::path out = fresh_dir("list");

@@ -18,18 +18,14 @@
 #include "memtune/model/llama_config.h"
 #include "memtune/ops/backend.h"
 #include "memtune/train/engine_arena.h"
-#include "engine_test_util.h"
+#include "../support/engine_setup.h"
 
 using namespace memtune;
 namespace fs = std::filesystem;
 
 namespace {
 
-using enginetest::adapter_grads;
-using enginetest::init_with_nonzero_b;
-using enginetest::rel_error;
-using enginetest::small_model;
-using enginetest::small_run;
+using namespace enginetest;  // the shared engine set-up (tests/support/engine_setup.h)
 
 fs::path tests_dir() { return fs::path(MEMTUNE_BINARY_DIR) / "trainer_tests"; }
 

@@ -15,9 +15,9 @@
 #include "memtune/core/bytes.h"
 #include "memtune/data/jsonl_dataset.h"
 #include "memtune/data/sft_dataset.h"
-#include "memtune/dist/sharded_base.h"
-#include "memtune/dist/communicator.h"
-#include "memtune/dist/launch_env.h"
+#include "memtune/parallel/sharded_base.h"
+#include "memtune/parallel/communicator.h"
+#include "memtune/parallel/launch_env.h"
 #include "memtune/io/file_util.h"
 #include "memtune/io/json_util.h"
 #include "memtune/model/llama_config.h"
@@ -25,10 +25,10 @@
 #include "memtune/ops/timed_backend.h"
 #include "memtune/plan/fit.h"
 #include "memtune/plan/plan_report.h"
-#include "memtune/report/ladder.h"
+#include "memtune/experiment/ladder.h"
 #include "memtune/report/ladder_report.h"
-#include "memtune/report/progress.h"
-#include "memtune/report/sweep.h"
+#include "memtune/core/progress.h"
+#include "memtune/experiment/sweep.h"
 #include "memtune/train/engine_arena.h"
 #include "memtune/train/output_dir.h"
 #include "memtune/train/trainer.h"
@@ -36,7 +36,7 @@
 // merge, generate, logits
 #include "memtune/data/chat_template.h"
 #include "memtune/io/safetensors.h"
-#include "memtune/model/merge.h"
+#include "memtune/lora/merge.h"
 #include "memtune/quant/bnb_format.h"
 #include "memtune/step/llama_generate.h"
 
@@ -768,7 +768,7 @@ int run_cli(int argc, char** argv) {
     return 0;
   }
 
-  // Several GPUs (dist/): one process per GPU from torchrun / mpirun / srun; its GPU first.
+  // Several GPUs (parallel/): one process per GPU from torchrun / mpirun / srun; its GPU first.
   const LaunchEnv launch = launch_env_from_process();
   select_local_cuda_device(launch);
   std::unique_ptr<Backend> backend = make_backend(device);

@@ -4,6 +4,8 @@
 // through this allocator; the engine runs the same step on the real device through the same
 // allocator over one arena of the planned size, so every offset, and the peak, are identical
 // by construction (and checked: see Memory::verify_against).
+//
+// Room core/ (docs/ARCHITECTURE.md): the ground floor; includes nothing else of memtune.
 #pragma once
 
 #include <array>

@@ -20,6 +20,8 @@
 //
 // A Tokenizer is immutable after construction: copies share the tables and every method may be
 // called from many threads at once.
+//
+// Room data/ (docs/ARCHITECTURE.md): text to training rows; may include core/, io/ and ops/.
 #pragma once
 
 #include <cstdint>

@@ -14,6 +14,8 @@
 // here and by the Python package start the buffer at a multiple of 8, but tensors of mixed
 // dtypes can still follow each other at odd offsets. Read elements with memcpy (or check the
 // pointer) rather than casting data to float*.
+//
+// Room io/ (docs/ARCHITECTURE.md): files on disk; may include core/ only.
 #pragma once
 
 #include <cstddef>

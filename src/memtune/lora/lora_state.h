@@ -1,5 +1,8 @@
 // The trainable state on a device: LoRA master weights (fp32), their compute-dtype copies, the
 // gradients and the AdamW moments.
+//
+// Room lora/ (docs/ARCHITECTURE.md): the adapters, merging them into the base, PEFT files; may include
+// core/, io/, quant/, ops/ and model/.
 #pragma once
 
 #include <vector>
@@ -21,7 +24,7 @@ struct LoraTensors {
 class LoraState {
  public:
   // flat_multiple 0: one buffer per tensor (a single-device run). flat_multiple > 0 (data
-  // parallel, dist/): the f32 masters are views into one flat buffer and the grads into
+  // parallel; parallel/): the f32 masters are views into one flat buffer and the grads into
   // another, each tensor at a 64-element-aligned offset in table order (layer by layer), the
   // buffers padded to a multiple of flat_multiple elements; gaps and padding are zeroed with the
   // grads, so the flat buffers can be reduced, sharded and gathered whole.

@@ -1,5 +1,8 @@
 // THE parameter table: every tensor of the base model, once. Names (HF keys), shapes, kinds
 // and init all come from here; loading, saving, random init, planning and printing iterate it.
+//
+// Room model/ (docs/ARCHITECTURE.md): what the base model is; may include core/, io/, quant/ and ops/,
+// never lora/ (merging an adapter into the base is lora/merge.h).
 #pragma once
 
 #include <array>

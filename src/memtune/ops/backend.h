@@ -13,6 +13,8 @@
 //   eager probs      [batch, n_heads, seq, seq]
 //   flash lse        [batch, n_heads, seq]        f32, natural log
 //   linear weights   [out_features, in_features]  (HF nn.Linear layout)
+//
+// Room ops/ (docs/ARCHITECTURE.md): the op interface and its backends; may include core/ and quant/.
 #pragma once
 
 #include <cstdint>

@@ -4,64 +4,28 @@
 #include <cmath>
 
 #include "memtune/core/error.h"
+#include "memtune/quant/codebook_shared.h"
 
 namespace memtune {
 
 namespace {
 
-// bitsandbytes csrc/kernels.cu nf4_dequantization_lut (the same numbers as the Python list in
-// functional.get_4bit_type("nf4")).
-constexpr std::array<float, 16> kNf4Values = {
-    -1.0f,
-    -0.6961928009986877f,
-    -0.5250730514526367f,
-    -0.39491748809814453f,
-    -0.28444138169288635f,
-    -0.18477343022823334f,
-    -0.09105003625154495f,
-    0.0f,
-    0.07958029955625534f,
-    0.16093020141124725f,
-    0.24611230194568634f,
-    0.33791524171829224f,
-    0.44070982933044434f,
-    0.5626170039176941f,
-    0.7229568362236023f,
-    1.0f,
-};
+// The tables and the nearest-code rules are in codebook_shared.h, which the CUDA kernels compile
+// too; here they take the std::array shapes of codebook.h.
+template <size_t N>
+constexpr std::array<float, N> to_array(const float (&values)[N]) {
+  std::array<float, N> out{};
+  for (size_t i = 0; i < N; ++i) out[i] = values[i];
+  return out;
+}
 
-// bitsandbytes csrc/kernels.cu fp4_dequantization_lut: the magnitude of codes 0b000..0b111.
-constexpr std::array<float, 8> kFp4Magnitudes = {
-    0.0f, 0.005208333333f, 0.66666667f, 1.0f, 0.33333333f, 0.5f, 0.16666667f, 0.25f,
-};
-
-// The float literals of kernels.cu dQuantizeNF4, sorted. The kernel's tree is a balanced search
-// over these 15 values with strict `x > t` at every node, so its result is the number of
-// thresholds that x exceeds.
-constexpr std::array<float, 15> kNf4Thresholds = {
-    -0.8480964004993439f, -0.6106329262256622f, -0.4599952697753906f, -0.33967943489551544f,
-    -0.23460740596055984f, -0.13791173323988914f, -0.045525018125772476f, 0.03979014977812767f,
-    0.1202552504837513f,  0.2035212516784668f,  0.2920137718319893f,  0.3893125355243683f,
-    0.5016634166240692f,  0.6427869200706482f,  0.8614784181118011f,
-};
-
-// The float literals of kernels.cu dQuantizeFP4 (applied to |x|), sorted. Note 0.583333f, which is
-// about 3e-7 below the true midpoint of 0.5 and 2/3.
-constexpr std::array<float, 7> kFp4Thresholds = {
-    0.00260417f, 0.0859375f, 0.20833333f, 0.29166667f, 0.4166667f, 0.583333f, 0.8333333f,
-};
-// Magnitude code for "exceeds k thresholds": the codes sorted by their value
-// (0, 0.0052, 1/6, 1/4, 1/3, 1/2, 2/3, 1).
-constexpr std::array<uint8_t, 8> kFp4CodeByRank = {0b000, 0b001, 0b110, 0b111,
-                                                   0b100, 0b101, 0b010, 0b011};
+constexpr std::array<float, 16> kNf4Values = to_array(codebook::kNf4Values);
+constexpr std::array<float, 15> kNf4Thresholds = to_array(codebook::kNf4Thresholds);
+constexpr std::array<float, 7> kFp4Thresholds = to_array(codebook::kFp4Thresholds);
 
 std::array<float, 16> make_fp4_values() {
   std::array<float, 16> values{};
-  for (int code = 0; code < 16; ++code) {
-    // kernels.cu dDequantizeFP4Tree: sign = 1 - 2 * bit3; value = lut[code & 7] * sign.
-    const float sign = 1.0f - 2.0f * static_cast<float>((code & 0b1000) >> 3);
-    values[code] = kFp4Magnitudes[code & 0b111] * sign;
-  }
+  for (int code = 0; code < 16; ++code) values[code] = codebook::fp4_value(code);
   return values;
 }
 
@@ -117,17 +81,12 @@ std::array<float, 16> bnb_quant_map(bool is_nf4) {
 }
 
 uint8_t nf4_quantize_scaled(float x) {
-  uint8_t code = 0;
-  for (float threshold : kNf4Thresholds) code += (x > threshold) ? 1 : 0;
-  return code;
+  return static_cast<uint8_t>(codebook::nf4_code(codebook::kNf4Thresholds, x));
 }
 
 uint8_t fp4_quantize_scaled(float x) {
-  const uint8_t sign = x < 0.0f ? 0b1000 : 0;
-  const float magnitude = std::fabs(x);
-  int rank = 0;
-  for (float threshold : kFp4Thresholds) rank += (magnitude > threshold) ? 1 : 0;
-  return static_cast<uint8_t>(kFp4CodeByRank[rank] + sign);
+  return static_cast<uint8_t>(
+      codebook::fp4_code(codebook::kFp4Thresholds, codebook::kFp4CodeByRankPacked, x));
 }
 
 const std::array<float, 15>& nf4_thresholds() { return kNf4Thresholds; }
@@ -168,36 +127,6 @@ const std::vector<float>& signed_dynamic_map() {
   return map;
 }
 
-uint8_t dynamic_quantize_scaled(const float* code, float x) {
-  // Bracketing search: `below`/`above` are the last visited codes under and over x, and their
-  // values; the bounds start as -1 and 1 and are replaced by the real end codes when the search
-  // never left them.
-  int pivot = 127;
-  int above = 255;
-  int below = 0;
-  float above_value = 1.0f;
-  float below_value = -1.0f;
-  float pivot_value = code[pivot];
-  for (int stride = 64; stride > 0; stride /= 2) {
-    if (x > pivot_value) {
-      below = pivot;
-      below_value = pivot_value;
-      pivot += stride;
-    } else {
-      above = pivot;
-      above_value = pivot_value;
-      pivot -= stride;
-    }
-    pivot_value = code[pivot];
-  }
-  if (above == 255) above_value = code[255];
-  if (below == 0) below_value = code[0];
-  if (x > pivot_value) {
-    const float midpoint = (above_value + pivot_value) * 0.5f;
-    return static_cast<uint8_t>(x > midpoint ? above : pivot);
-  }
-  const float midpoint = (below_value + pivot_value) * 0.5f;
-  return static_cast<uint8_t>(x < midpoint ? below : pivot);
-}
+uint8_t dynamic_quantize_scaled(const float* code, float x) { return codebook::dynamic_code(code, x); }
 
 }  // namespace memtune

@@ -32,6 +32,9 @@
 //
 // Dequantize (kDequantizeBlockwise<T, *, *, *, NF4|FP4>): value = code_value[c] * absmax in fp32,
 // then rounded to the output dtype (round to nearest even).
+//
+// Room quant/ (docs/ARCHITECTURE.md): bitsandbytes-exact 4-bit quantization, the host side of
+// what ops/cuda/quant4bit.cu computes; may include core/ only.
 #pragma once
 
 #include <cstddef>

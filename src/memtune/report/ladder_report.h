@@ -34,6 +34,14 @@
 // Against the peer (transformers + PEFT), memtune's device peak is compared with the peer's
 // device_peak_bytes: both are process-level device memory as nvidia-smi shows it, CUDA context
 // included. Tokens/s is compared with tokens/s.
+//
+// The implementation is in four parts: ladder_report_parse.cpp (ladder.json and peer.json in),
+// ladder_report_claims.cpp (the claims), ladder_report_render.cpp (terminal table, report.md,
+// ladder.csv, the files) and ladder_report_chart.cpp (ladder.svg), sharing
+// ladder_report_detail.h.
+//
+// Room report/ (docs/ARCHITECTURE.md): renderers only, JSON in and text or SVG out; may include core/
+// and io/ only, so that `memtune report` re-renders without an engine.
 #pragma once
 
 #include <cstdint>
@@ -139,7 +147,7 @@ struct LadderClaim {
   ClaimVerdict verdict = ClaimVerdict::not_measured;
 };
 
-// The six claims, computed from the data (never fixed text): see ladder_report.cpp for the rules.
+// The six claims, computed from the data (never fixed text): see ladder_report_claims.cpp for the rules.
 std::vector<LadderClaim> ladder_claims(const nlohmann::json& ladder);
 
 // Fixed-width table for the terminal: one row per rung.

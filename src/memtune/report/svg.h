@@ -3,7 +3,7 @@
 // parser alike.
 //
 // Two layers: small helpers (escaping, tick choice, a document builder) that the ladder chart
-// in ladder_report.cpp also uses, and line_chart_svg for `memtune sweep` (peak memory and
+// in ladder_report_chart.cpp also uses, and line_chart_svg for `memtune sweep` (peak memory and
 // tokens/s against sequence length, eager against flash).
 #pragma once
 

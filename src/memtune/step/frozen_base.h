@@ -1,7 +1,7 @@
 // Where the step finds the frozen base while it runs.
 //
 // On one device the whole base is resident and ModelWeights' tensors point at it all the time.
-// With the base sharded across ranks (dist/sharded_base.h), a rank keeps only its shard of each
+// With the base sharded across ranks (parallel/sharded_base.h), a rank keeps only its shard of each
 // unit (the embedding, one decoder layer, the final norm with the LM head), and a unit's
 // ModelWeights tensors point at real bytes only between acquire and release: the provider has
 // gathered the unit into a gather buffer by then (and starts gathering the next unit of the

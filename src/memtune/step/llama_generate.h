@@ -29,7 +29,7 @@
 #include <vector>
 
 #include "memtune/core/memory.h"
-#include "memtune/model/merge.h"
+#include "memtune/lora/merge.h"
 #include "memtune/model/model_weights.h"
 
 namespace memtune {

@@ -142,7 +142,7 @@ class LlamaStep {
   // run their backward. Empty (the default): nothing is called.
   void set_on_layer_grads_done(std::function<void(int layer)> hook) { on_layer_grads_done_ = std::move(hook); }
   const StepOptions& options() const { return options_; }
-  // The sharded base (dist/sharded_base.h): every read of a unit's frozen weights is then
+  // The sharded base (parallel/sharded_base.h): every read of a unit's frozen weights is then
   // bracketed by its acquire / release (frozen_base.h). Null (the default): the whole base is
   // resident and nothing is called.
   void set_frozen_base_units(FrozenBaseUnits* units) { base_units_ = units; }

@@ -5,12 +5,12 @@
 #include <fstream>
 
 #include "memtune/core/error.h"
-#include "memtune/dist/data_parallel.h"
-#include "memtune/dist/sharded_base.h"
+#include "memtune/parallel/data_parallel.h"
+#include "memtune/parallel/sharded_base.h"
 #include "memtune/io/file_util.h"
 #include "memtune/io/json_util.h"
 #include "memtune/io/safetensors.h"
-#include "memtune/model/merge.h"
+#include "memtune/lora/merge.h"
 #include "memtune/ops/device.h"
 #include "memtune/train/output_dir.h"
 

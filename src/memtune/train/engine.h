@@ -17,9 +17,9 @@
 
 namespace memtune {
 
-class Communicator;          // dist/communicator.h
-class DataParallelAdapters;  // dist/data_parallel.h
-class ShardedBase;           // dist/sharded_base.h
+class Communicator;          // parallel/communicator.h
+class DataParallelAdapters;  // parallel/data_parallel.h
+class ShardedBase;           // parallel/sharded_base.h
 class ShardedBaseWeights;
 
 // One micro-batch on the host, already shifted: targets[t] is the label of token t + 1. Its
@@ -73,7 +73,7 @@ struct StepReport {
 class Engine {
  public:
   // Plans when backend is the meta backend (arena null); else runs on the given arena.
-  // With a communicator of world_size > 1 the step is data parallel (dist/data_parallel.h):
+  // With a communicator of world_size > 1 the step is data parallel (parallel/data_parallel.h):
   // this rank's micro-batches, the loss normalised by the global valid targets, the grads
   // summed over ranks, ZeRO-1 AdamW. Without one (or world_size 1) nothing changes.
   Engine(Backend& backend, void* arena, uint64_t arena_bytes, const RunConfig& run,
@@ -84,7 +84,7 @@ class Engine {
 
   Memory& memory() { return memory_; }
   // With the base sharded (base_sharded()), the weights' tensors hold bytes only inside a step's
-  // visit of their unit (dist/sharded_base.h); outside they are null.
+  // visit of their unit (parallel/sharded_base.h); outside they are null.
   const ModelWeights& weights() const { return weights_; }
   ModelWeights& weights() { return weights_; }
   LoraState& lora() { return lora_; }
@@ -92,7 +92,7 @@ class Engine {
   const RunConfig& run() const { return run_; }
   Backend& backend() { return backend_; }
   const LlamaStep& step() const { return step_; }
-  // ---- data parallel (dist/) ----
+  // ---- data parallel (parallel/) ----
   int rank() const;
   int world_size() const;
   DataParallelAdapters* data_parallel() { return data_parallel_.get(); }

@@ -4,7 +4,7 @@
 
 #include <memory>
 
-#include "memtune/dist/communicator.h"
+#include "memtune/parallel/communicator.h"
 #include "memtune/ops/backend.h"
 #include "memtune/train/engine.h"
 

@@ -45,7 +45,7 @@ struct RunConfig {
   // communicating earlier in the backward, larger ones make fewer calls.
   double ddp_bucket_cap_mb = 25;
   // Several GPUs: the frozen base split across the ranks and gathered one unit (layer) at a
-  // time, just in time (FSDP-QLoRA; dist/sharded_base.h). Needs world_size > 1; one rank
+  // time, just in time (FSDP-QLoRA; parallel/sharded_base.h). Needs world_size > 1; one rank
   // ignores it (the CLI refuses it there).
   bool shard_base = false;
   int64_t per_device_train_batch_size = 1;

@@ -9,12 +9,12 @@
 
 #include "memtune/core/bytes.h"
 #include "memtune/core/error.h"
+#include "memtune/core/progress.h"
 #include "memtune/data/sft_dataset.h"
 #include "memtune/io/json_util.h"
 #include "memtune/ops/backend.h"
 #include "memtune/ops/device.h"
 #include "memtune/ops/timed_backend.h"
-#include "memtune/report/progress.h"
 #include "memtune/train/run_settings.h"
 
 namespace memtune {

@@ -23,6 +23,9 @@
 // fingerprint of the data it counts in) is written into the checkpoint's trainer_state.json;
 // with the step (which seeds dropout) and the optimizer state it is everything the next step
 // depends on, so a resumed run continues bit-identically on the CPU.
+//
+// Room train/ (docs/ARCHITECTURE.md, with parallel/): one run on one device and the loop around it;
+// may include the rooms below it (core/ to step/) and parallel/.
 #pragma once
 
 #include <csignal>

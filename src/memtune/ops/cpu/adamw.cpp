@@ -10,20 +10,14 @@
 #include <cmath>
 
 #include "memtune/ops/cpu/cpu_backend.h"
+#include "memtune/ops/op_checks.h"
 
 namespace memtune {
 
 void CpuBackend::adamw_step(const Tensor& param, const Tensor& grad, const Tensor& exp_avg,
                             const Tensor& exp_avg_sq, const AdamWParams& params) {
-  cpu::check_tensor(param, DType::f32, "adamw param");
-  cpu::check_tensor(grad, DType::f32, "adamw grad");
-  cpu::check_tensor(exp_avg, DType::f32, "adamw exp_avg");
-  cpu::check_tensor(exp_avg_sq, DType::f32, "adamw exp_avg_sq");
+  check_adamw_inputs(param, grad, exp_avg, exp_avg_sq, params, cpu::check_tensor);
   const int64_t n = param.numel();
-  MT_ASSERT(grad.numel() == n && exp_avg.numel() == n && exp_avg_sq.numel() == n,
-            "adamw param {} grad {} exp_avg {} exp_avg_sq {}", param.shape.str(),
-            grad.shape.str(), exp_avg.shape.str(), exp_avg_sq.shape.str());
-  MT_ASSERT(params.step >= 1, "adamw step {} (1-based, after increment)", params.step);
 
   const double lr = params.lr, beta1 = params.beta1, beta2 = params.beta2;
   const double step = static_cast<double>(params.step);

@@ -60,10 +60,8 @@ void CpuBackend::attention_eager_forward(const Tensor& out, const Tensor& probs,
     std::vector<float> out_head(head_size), row(static_cast<size_t>(seq));
 #pragma omp for schedule(dynamic)
     for (int64_t bh = 0; bh < dims.batch * heads; ++bh) {
-      const int64_t b = bh / heads, h = bh % heads, kv_head = h / dims.group();
-      cpu::gather_head(q, dims, heads, b, h, q_head.data());
-      cpu::gather_head(k, dims, dims.n_kv_heads, b, kv_head, k_head.data());
-      cpu::gather_head(v, dims, dims.n_kv_heads, b, kv_head, v_head.data());
+      const int64_t b = bh / heads, h = bh % heads;
+      cpu::gather_query_head_inputs(q, k, v, dims, b, h, q_head.data(), k_head.data(), v_head.data());
       for (int64_t i = 0; i < seq; ++i) {
         const int64_t row_offset = (bh * seq + i) * seq;
         const float* q_row = q_head.data() + i * d;

@@ -79,10 +79,8 @@ void CpuBackend::attention_flash_forward(const Tensor& out, const Tensor& lse, c
     std::vector<float> tile(kBlockQ * kBlockK), row_max(kBlockQ), row_sum(kBlockQ);
 #pragma omp for schedule(dynamic)
     for (int64_t bh = 0; bh < dims.batch * heads; ++bh) {
-      const int64_t b = bh / heads, h = bh % heads, kv_head = h / dims.group();
-      cpu::gather_head(q, dims, heads, b, h, q_head.data());
-      cpu::gather_head(k, dims, dims.n_kv_heads, b, kv_head, k_head.data());
-      cpu::gather_head(v, dims, dims.n_kv_heads, b, kv_head, v_head.data());
+      const int64_t b = bh / heads, h = bh % heads;
+      cpu::gather_query_head_inputs(q, k, v, dims, b, h, q_head.data(), k_head.data(), v_head.data());
       for (int64_t i0 = 0; i0 < seq; i0 += kBlockQ) {
         const int64_t i1 = std::min(seq, i0 + kBlockQ);
         std::fill(row_max.begin(), row_max.end(), negative_infinity);

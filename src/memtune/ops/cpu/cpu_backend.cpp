@@ -6,22 +6,14 @@
 #include <cstring>
 #include <vector>
 
+#include "memtune/ops/op_checks.h"
+
 namespace memtune {
 namespace cpu {
 
-void check_float_tensor(const Tensor& t, const char* what) {
-  MT_ASSERT(t.device == Device::cpu, "{}: tensor on {}, not cpu", what, device_name(t.device));
-  MT_ASSERT(dtype_is_float(t.dtype), "{}: dtype {} is not a float dtype", what,
-            dtype_name(t.dtype));
-  MT_ASSERT(t.data != nullptr || t.numel() == 0, "{}: no data", what);
-}
+void check_float_tensor(const Tensor& t, const char* what) { check_float_tensor_on(Device::cpu, t, what); }
 
-void check_tensor(const Tensor& t, DType dtype, const char* what) {
-  MT_ASSERT(t.device == Device::cpu, "{}: tensor on {}, not cpu", what, device_name(t.device));
-  MT_ASSERT(t.dtype == dtype, "{}: dtype {}, expected {}", what, dtype_name(t.dtype),
-            dtype_name(dtype));
-  MT_ASSERT(t.data != nullptr || t.numel() == 0, "{}: no data", what);
-}
+void check_tensor(const Tensor& t, DType dtype, const char* what) { check_tensor_on(Device::cpu, t, dtype, what); }
 
 void load_f32(const Tensor& src, int64_t offset, int64_t count, float* dst) {
   switch (src.dtype) {
@@ -68,20 +60,8 @@ void store_f32(const Tensor& dst, int64_t offset, int64_t count, const float* sr
 
 AttentionView make_attention_view(const AttentionDims& dims, const Tensor& q, const Tensor& k,
                                   const Tensor& v, const Tensor& segments) {
-  MT_ASSERT(dims.batch > 0 && dims.seq > 0 && dims.head_dim > 0, "attention: empty dims");
-  MT_ASSERT(dims.n_heads > 0 && dims.n_kv_heads > 0 && dims.n_heads % dims.n_kv_heads == 0,
-            "attention: {} query heads not a multiple of {} kv heads", dims.n_heads,
-            dims.n_kv_heads);
-  MT_ASSERT(dims.scale > 0.0f, "attention: scale {} not set", dims.scale);
-  check_float_tensor(q, "attention q");
-  check_float_tensor(k, "attention k");
-  check_float_tensor(v, "attention v");
+  check_attention_inputs(dims, q, k, v, check_float_tensor);
   const int64_t n = dims.tokens();
-  MT_ASSERT(q.numel() == n * dims.n_heads * dims.head_dim, "attention q {} vs N {} x {} x {}",
-            q.shape.str(), n, dims.n_heads, dims.head_dim);
-  MT_ASSERT(k.numel() == n * dims.n_kv_heads * dims.head_dim, "attention k {} vs N {} x {} x {}",
-            k.shape.str(), n, dims.n_kv_heads, dims.head_dim);
-  MT_ASSERT(v.numel() == k.numel(), "attention v {} vs k {}", v.shape.str(), k.shape.str());
   const int32_t* segment_ids = nullptr;
   if (!segments.empty()) {
     check_tensor(segments, DType::i32, "attention segments");
@@ -96,6 +76,14 @@ void gather_head(const Tensor& x, const AttentionDims& dims, int64_t heads, int6
   const int64_t d = dims.head_dim;
   for (int64_t s = 0; s < dims.seq; ++s)
     load_f32(x, ((b * dims.seq + s) * heads + h) * d, d, dst + s * d);
+}
+
+void gather_query_head_inputs(const Tensor& q, const Tensor& k, const Tensor& v, const AttentionDims& dims,
+                              int64_t b, int64_t h, float* q_head, float* k_head, float* v_head) {
+  const int64_t kv_head = h / dims.group();
+  gather_head(q, dims, dims.n_heads, b, h, q_head);
+  gather_head(k, dims, dims.n_kv_heads, b, kv_head, k_head);
+  gather_head(v, dims, dims.n_kv_heads, b, kv_head, v_head);
 }
 
 void scatter_head(const Tensor& x, const AttentionDims& dims, int64_t heads, int64_t b,

@@ -140,6 +140,10 @@ AttentionView make_attention_view(const AttentionDims& dims, const Tensor& q, co
 // Head h of batch row b of x ([N, heads * head_dim]) to/from a dense fp32 [seq, head_dim].
 void gather_head(const Tensor& x, const AttentionDims& dims, int64_t heads, int64_t b, int64_t h,
                  float* dst);
+// The forward's inputs for query head h of batch row b: q's head, and k's and v's head of its
+// kv group, each [seq, head_dim] in f32.
+void gather_query_head_inputs(const Tensor& q, const Tensor& k, const Tensor& v, const AttentionDims& dims,
+                              int64_t b, int64_t h, float* q_head, float* k_head, float* v_head);
 void scatter_head(const Tensor& x, const AttentionDims& dims, int64_t heads, int64_t b,
                   int64_t h, const float* src);
 

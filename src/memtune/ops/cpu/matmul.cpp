@@ -17,6 +17,7 @@
 #endif
 
 #include "memtune/ops/cpu/cpu_backend.h"
+#include "memtune/ops/op_checks.h"
 
 namespace memtune {
 namespace {
@@ -272,19 +273,8 @@ void compute_tile(const Tensor& c, const Operand& a, const Operand& b, int64_t i
 
 void CpuBackend::matmul(const Tensor& c, const Tensor& a, bool transpose_a, const Tensor& b,
                         bool transpose_b, float alpha, float beta) {
-  cpu::check_float_tensor(c, "matmul c");
-  cpu::check_float_tensor(a, "matmul a");
-  cpu::check_float_tensor(b, "matmul b");
-  MT_ASSERT(a.shape.ndim == 2 && b.shape.ndim == 2 && c.shape.ndim == 2,
-            "matmul wants 2-D views: c {} a {} b {}", c.shape.str(), a.shape.str(),
-            b.shape.str());
-  const int64_t m = transpose_a ? a.dim(1) : a.dim(0);
-  const int64_t k = transpose_a ? a.dim(0) : a.dim(1);
-  const int64_t kb = transpose_b ? b.dim(1) : b.dim(0);
-  const int64_t n = transpose_b ? b.dim(0) : b.dim(1);
-  MT_ASSERT(k == kb && c.dim(0) == m && c.dim(1) == n,
-            "matmul shapes: c {} = op(a {}{}) @ op(b {}{})", c.shape.str(), a.shape.str(),
-            transpose_a ? "^T" : "", b.shape.str(), transpose_b ? "^T" : "");
+  const MatmulSizes sizes = check_matmul_inputs(c, a, transpose_a, b, transpose_b, cpu::check_float_tensor);
+  const int64_t m = sizes.m, n = sizes.n, k = sizes.k;
   if (m == 0 || n == 0) return;
   MT_ASSERT(c.data != a.data && c.data != b.data, "matmul: c aliases an input");
 

@@ -11,27 +11,19 @@
 
 #include <fmt/format.h>
 
+#include "memtune/ops/op_checks.h"
 #include "memtune/ops/cuda/cuda_check.h"
 #include "memtune/quant/codebook.h"  // quant4bit: the reference's constants
+#include "memtune/quant/codebook_shared.h"
 #include "memtune/ops/device.h"
 #include "memtune/ops/ragged_attention.h"
 
 namespace memtune {
 namespace {
 
-void check_float_tensor(const Tensor& t, const char* what) {
-  MT_ASSERT(t.device == Device::cuda, "{}: tensor on {}, not cuda", what, device_name(t.device));
-  MT_ASSERT(dtype_is_float(t.dtype), "{}: dtype {} is not a float dtype", what,
-            dtype_name(t.dtype));
-  MT_ASSERT(t.data != nullptr || t.numel() == 0, "{}: no data", what);
-}
+void check_float_tensor(const Tensor& t, const char* what) { check_float_tensor_on(Device::cuda, t, what); }
 
-void check_tensor(const Tensor& t, DType dtype, const char* what) {
-  MT_ASSERT(t.device == Device::cuda, "{}: tensor on {}, not cuda", what, device_name(t.device));
-  MT_ASSERT(t.dtype == dtype, "{}: dtype {}, expected {}", what, dtype_name(t.dtype),
-            dtype_name(dtype));
-  MT_ASSERT(t.data != nullptr || t.numel() == 0, "{}: no data", what);
-}
+void check_tensor(const Tensor& t, DType dtype, const char* what) { check_tensor_on(Device::cuda, t, dtype, what); }
 
 void check_same_count(const Tensor& t, const Tensor& like, const char* what) {
   MT_ASSERT(t.numel() == like.numel(), "{}: {} vs {}", what, t.shape.str(), like.shape.str());
@@ -39,20 +31,8 @@ void check_same_count(const Tensor& t, const Tensor& like, const char* what) {
 
 cuda::AttentionParams attention_params(const AttentionDims& dims, const Tensor& q,
                                        const Tensor& k, const Tensor& v, const Tensor& segments) {
-  MT_ASSERT(dims.batch > 0 && dims.seq > 0 && dims.head_dim > 0, "attention: empty dims");
-  MT_ASSERT(dims.n_heads > 0 && dims.n_kv_heads > 0 && dims.n_heads % dims.n_kv_heads == 0,
-            "attention: {} query heads not a multiple of {} kv heads", dims.n_heads,
-            dims.n_kv_heads);
-  MT_ASSERT(dims.scale > 0.0f, "attention: scale {} not set", dims.scale);
-  check_float_tensor(q, "attention q");
-  check_float_tensor(k, "attention k");
-  check_float_tensor(v, "attention v");
+  check_attention_inputs(dims, q, k, v, check_float_tensor);
   const int64_t n = dims.tokens();
-  MT_ASSERT(q.numel() == n * dims.n_heads * dims.head_dim, "attention q {} vs N {} x {} x {}",
-            q.shape.str(), n, dims.n_heads, dims.head_dim);
-  MT_ASSERT(k.numel() == n * dims.n_kv_heads * dims.head_dim, "attention k {} vs N {} x {} x {}",
-            k.shape.str(), n, dims.n_kv_heads, dims.head_dim);
-  MT_ASSERT(v.numel() == k.numel(), "attention v {} vs k {}", v.shape.str(), k.shape.str());
   cuda::AttentionParams p;
   p.batch = dims.batch;
   p.seq = dims.seq;
@@ -297,19 +277,8 @@ void CudaBackend::sum_squares(const Tensor& acc, const Tensor& x) {
 
 void CudaBackend::matmul(const Tensor& c, const Tensor& a, bool transpose_a, const Tensor& b,
                          bool transpose_b, float alpha, float beta) {
-  check_float_tensor(c, "matmul c");
-  check_float_tensor(a, "matmul a");
-  check_float_tensor(b, "matmul b");
-  MT_ASSERT(a.shape.ndim == 2 && b.shape.ndim == 2 && c.shape.ndim == 2,
-            "matmul wants 2-D views: c {} a {} b {}", c.shape.str(), a.shape.str(),
-            b.shape.str());
-  const int64_t m = transpose_a ? a.dim(1) : a.dim(0);
-  const int64_t k = transpose_a ? a.dim(0) : a.dim(1);
-  const int64_t kb = transpose_b ? b.dim(1) : b.dim(0);
-  const int64_t n = transpose_b ? b.dim(0) : b.dim(1);
-  MT_ASSERT(k == kb && c.dim(0) == m && c.dim(1) == n,
-            "matmul shapes: c {} = op(a {}{}) @ op(b {}{})", c.shape.str(), a.shape.str(),
-            transpose_a ? "^T" : "", b.shape.str(), transpose_b ? "^T" : "");
+  const MatmulSizes sizes = check_matmul_inputs(c, a, transpose_a, b, transpose_b, check_float_tensor);
+  const int64_t m = sizes.m, n = sizes.n, k = sizes.k;
   if (m == 0 || n == 0) return;
   MT_ASSERT(c.data != a.data && c.data != b.data, "matmul: c aliases an input");
   cuda::GemmArgs args;
@@ -742,15 +711,8 @@ void CudaBackend::dropout(const Tensor& out, const Tensor& x, float p, uint64_t 
 
 void CudaBackend::adamw_step(const Tensor& param, const Tensor& grad, const Tensor& exp_avg,
                              const Tensor& exp_avg_sq, const AdamWParams& params) {
-  check_tensor(param, DType::f32, "adamw param");
-  check_tensor(grad, DType::f32, "adamw grad");
-  check_tensor(exp_avg, DType::f32, "adamw exp_avg");
-  check_tensor(exp_avg_sq, DType::f32, "adamw exp_avg_sq");
+  check_adamw_inputs(param, grad, exp_avg, exp_avg_sq, params, check_tensor);
   const int64_t n = param.numel();
-  MT_ASSERT(grad.numel() == n && exp_avg.numel() == n && exp_avg_sq.numel() == n,
-            "adamw param {} grad {} exp_avg {} exp_avg_sq {}", param.shape.str(),
-            grad.shape.str(), exp_avg.shape.str(), exp_avg_sq.shape.str());
-  MT_ASSERT(params.step >= 1, "adamw step {} (1-based, after increment)", params.step);
   // The scalars exactly as ops/cpu/adamw.cpp computes them (double, then fp32).
   const double lr = params.lr, beta1 = params.beta1, beta2 = params.beta2;
   const double step = static_cast<double>(params.step);
@@ -782,15 +744,7 @@ const cuda::Quant4bitTables& quant4bit_tables(QuantType type) {
     std::copy(nf4_thresholds().begin(), nf4_thresholds().end(), tables.nf4_thresholds);
     const std::array<float, 7>& fp4 = fp4_magnitude_thresholds();
     std::copy(fp4.begin(), fp4.end(), tables.fp4_thresholds);
-    // The magnitude code for each rank, read off the reference itself: rank 0 is 0.0, rank r the
-    // float just above threshold r - 1 (which exceeds exactly r thresholds).
-    for (int rank = 0; rank < 8; ++rank) {
-      const float x = rank == 0 ? 0.0f : std::nextafter(fp4[rank - 1], 2.0f);
-      MT_ASSERT(rank == 7 || x < fp4[rank], "fp4 thresholds too close");
-      const uint32_t code = fp4_quantize_scaled(x);
-      MT_ASSERT(code < 8, "fp4 code {} of a positive value", code);
-      tables.fp4_code_by_rank |= code << (4 * rank);
-    }
+    tables.fp4_code_by_rank = codebook::kFp4CodeByRankPacked;
     return tables;
   };
   static const cuda::Quant4bitTables nf4 = build(QuantType::nf4);

@@ -188,7 +188,8 @@ struct Quant4bitTables {
   float code_values[16] = {};     // nf4_code_values() / fp4_code_values() (the dequantize LUT)
   float nf4_thresholds[15] = {};  // nf4_thresholds(), ascending
   float fp4_thresholds[7] = {};   // fp4_magnitude_thresholds(), ascending
-  // The FP4 magnitude code for "exceeds r thresholds" in bits [4r, 4r + 4).
+  // The FP4 magnitude code for "exceeds r thresholds" in bits [4r, 4r + 4)
+  // (codebook::kFp4CodeByRankPacked).
   uint32_t fp4_code_by_rank = 0;
 };
 

@@ -1,7 +1,8 @@
 // CUDA backend: 4-bit blockwise quantization (NF4 / FP4, optional double quantization) and its
 // dequantization, bit-identical to the CPU reference of quant/nf4.h (whose header comment is the
 // specification; SPECS.md §1 lists the bitsandbytes facts it follows). What keeps them equal:
-//  - every constant (codes, thresholds) comes from the host tables of quant/codebook.h;
+//  - every constant (codes, thresholds) comes from the host tables of quant/codebook.h, and the
+//    nearest-code rules are the reference's own functions (quant/codebook_shared.h);
 //  - the arithmetic is the reference's, operation for operation, in explicitly rounded fp32
 //    intrinsics (__fmul_rn, __fadd_rn, __fsub_rn, __frcp_rn = the correctly rounded 1.0f / x),
 //    so that nvcc can neither contract a multiply and an add into an FMA nor use approximations;
@@ -17,6 +18,7 @@
 
 #include "memtune/ops/cuda/cuda_common.h"
 #include "memtune/ops/cuda/cuda_ops.h"
+#include "memtune/quant/codebook_shared.h"
 
 namespace memtune::cuda {
 namespace {
@@ -29,26 +31,10 @@ __device__ __forceinline__ float flush_subnormal(float x) {
   return fabsf(x) < FLT_MIN ? copysignf(0.0f, x) : x;
 }
 
-// codebook.cpp nf4_quantize_scaled: the number of thresholds that x strictly exceeds.
-__device__ __forceinline__ uint32_t nf4_code(const Quant4bitTables& t, float x) {
-  uint32_t code = 0;
-#pragma unroll
-  for (int k = 0; k < 15; ++k) code += x > t.nf4_thresholds[k] ? 1u : 0u;
-  return code;
-}
-
-// codebook.cpp fp4_quantize_scaled: sign bit from x < 0, magnitude code by rank.
-__device__ __forceinline__ uint32_t fp4_code(const Quant4bitTables& t, float x) {
-  const uint32_t sign = x < 0.0f ? 0b1000u : 0u;
-  const float magnitude = fabsf(x);
-  uint32_t rank = 0;
-#pragma unroll
-  for (int k = 0; k < 7; ++k) rank += magnitude > t.fp4_thresholds[k] ? 1u : 0u;
-  return ((t.fp4_code_by_rank >> (4 * rank)) & 0xfu) + sign;
-}
-
+// The reference's own rules (quant/codebook_shared.h) on the tables that the host handed over.
 __device__ __forceinline__ uint32_t code_of_scaled(const Quant4bitTables& t, float scaled) {
-  return t.is_nf4 ? nf4_code(t, scaled) : fp4_code(t, scaled);
+  return t.is_nf4 ? codebook::nf4_code(t.nf4_thresholds, scaled)
+                  : codebook::fp4_code(t.fp4_thresholds, t.fp4_code_by_rank, scaled);
 }
 
 // ---- stage 1: absmax and codes ----------------------------------------------------------------
@@ -183,34 +169,6 @@ __global__ void absmax_sum_final_kernel(const double* partial_sums, const float*
 
 // ---- stage 2: double quantization of the absmax -------------------------------------------------
 
-// codebook.cpp dynamic_quantize_scaled, step for step: the bracketing binary search from pivot
-// 127, then the fp32 midpoint (a + b) * 0.5f decides between the last pivot and its neighbour.
-__device__ __forceinline__ uint8_t dynamic_code(const float* code, float x) {
-  int pivot = 127, above = 255, below = 0;
-  float above_value = 1.0f, below_value = -1.0f;
-  float pivot_value = code[pivot];
-  for (int stride = 64; stride > 0; stride /= 2) {
-    if (x > pivot_value) {
-      below = pivot;
-      below_value = pivot_value;
-      pivot += stride;
-    } else {
-      above = pivot;
-      above_value = pivot_value;
-      pivot -= stride;
-    }
-    pivot_value = code[pivot];
-  }
-  if (above == 255) above_value = code[255];
-  if (below == 0) below_value = code[0];
-  if (x > pivot_value) {
-    const float midpoint = __fmul_rn(__fadd_rn(above_value, pivot_value), 0.5f);
-    return static_cast<uint8_t>(x > midpoint ? above : pivot);
-  }
-  const float midpoint = __fmul_rn(__fadd_rn(below_value, pivot_value), 0.5f);
-  return static_cast<uint8_t>(x < midpoint ? below : pivot);
-}
-
 // One thread block per nested block (grid-stride over them): nf4.cpp double_quantize_absmax.
 __global__ void double_quantize_kernel(const float* absmax, int64_t blocks,
                                        int64_t nested_blocksize, int64_t nested_blocks,
@@ -231,7 +189,7 @@ __global__ void double_quantize_kernel(const float* absmax, int64_t blocks,
     const float inverse = __frcp_rn(nested_max);
     for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
       const float centered = flush_subnormal(__fsub_rn(absmax[i], offset));
-      codes[i] = dynamic_code(map, flush_subnormal(__fmul_rn(centered, inverse)));
+      codes[i] = codebook::dynamic_code(map, flush_subnormal(__fmul_rn(centered, inverse)));
     }
   }
 }
