@@ -60,6 +60,16 @@ double number_or(const json& object, const char* key, double fallback, const std
 
 }  // namespace
 
+std::string_view model_family_name(ModelFamily family) {
+  switch (family) {
+    case ModelFamily::llama: return "llama";
+    case ModelFamily::qwen2: return "qwen2";
+    case ModelFamily::qwen3: return "qwen3";
+    case ModelFamily::mistral: return "mistral";
+  }
+  return "?";
+}
+
 LlamaConfig LlamaConfig::from_json(const json& j, const std::string& source) {
   MT_USER_CHECK(j.is_object(), "{}: config must be a JSON object", source);
   const json& model_type = require(j, "model_type", source);
