@@ -157,6 +157,10 @@ class Backend {
   virtual void convert(const Tensor& dst, const Tensor& src) = 0;
   // dst = a + b (dst may alias a or b).
   virtual void add(const Tensor& dst, const Tensor& a, const Tensor& b) = 0;
+  // dst[i, :] = row for every row of dst [N, C], row [C] converted to dst's dtype. A projection's
+  // bias goes in first and the GEMM adds x W^T onto it (beta 1), so that y = x W^T + b is rounded
+  // once, as F.linear's addmm rounds it.
+  virtual void broadcast_rows(const Tensor& dst, const Tensor& row) = 0;
 
   // ---- GEMM -------------------------------------------------------------------------------
   // c = alpha * op(a) @ op(b) + beta * c, on 2-D views: op(a) is [M, K], op(b) is [K, N], c is

@@ -262,6 +262,16 @@ void CudaBackend::add(const Tensor& dst, const Tensor& a, const Tensor& b) {
   cuda::launch_add(dst.data, dst.dtype, a.data, a.dtype, b.data, b.dtype, dst.numel(), stream_);
 }
 
+void CudaBackend::broadcast_rows(const Tensor& dst, const Tensor& row) {
+  check_float_tensor(dst, "broadcast_rows dst");
+  check_float_tensor(row, "broadcast_rows row");
+  MT_ASSERT(row.numel() == dst.cols(), "broadcast_rows {} from {}",
+            dst.shape.str(), row.shape.str());
+  // A 2-D copy whose source rows all start at the row itself (leading dimension 0).
+  cuda::launch_copy_2d(dst.data, dst.dtype, dst.cols(), row.data, row.dtype, 0, dst.rows(),
+                       dst.cols(), stream_);
+}
+
 void CudaBackend::scale(const Tensor& dst, float value) {
   check_float_tensor(dst, "scale dst");
   cuda::launch_scale(dst.data, dst.dtype, dst.numel(), value, stream_);
