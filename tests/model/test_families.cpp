@@ -297,6 +297,36 @@ TEST_P(Family, Bf16StepIsCloseToFp32) {
   EXPECT_GT(rel_error(bf16_grads, grads), 0.0) << "16-bit storage changed nothing";
 }
 
+TEST_P(Family, QloraStepEqualsBf16StepOnTheDequantizedWeights) {
+  // The 4-bit base holds the projections only: the biases and head norms stay 16-bit beside
+  // them, and the step must add them the same way around the dequantized weights.
+  const LlamaConfig model = family_model(GetParam());
+  RunConfig qlora_run = small_run();
+  qlora_run.precision = Precision::bf16;
+  qlora_run.load_in_4bit = true;
+  RunConfig dense_run = qlora_run;
+  dense_run.load_in_4bit = false;
+  auto cpu = make_cpu_backend();
+  PlannedEngine qlora(*cpu, qlora_run, model);
+  PlannedEngine dense(*cpu, dense_run, model);
+  init_family_engine(qlora.engine());
+  init_family_engine(dense.engine());
+  const ModelWeights& qw = qlora->weights();
+  for (size_t i = 0; i < qw.table.size(); ++i) {
+    if (!qw.is_quantized(i)) continue;
+    const ParamSpec& spec = qw.table[i];
+    std::vector<float> host(static_cast<size_t>(spec.shape.numel()));
+    const Tensor view{host.data(), DType::f32, spec.shape, Device::cpu};
+    cpu->dequantize_4bit(view, qw.layers[spec.layer].quantized[static_cast<int>(spec.projection)]);
+    dense->weights().upload(*cpu, i, host.data(), DType::f32);
+  }
+  const auto batches = random_batches(model, qlora_run, 2, 5);
+  const StepReport a = qlora->train_step(batches);
+  const StepReport b = dense->train_step(batches);
+  EXPECT_NEAR(a.loss, b.loss, 1e-6 * b.loss);
+  EXPECT_LT(rel_error(adapter_grads(qlora.engine()), adapter_grads(dense.engine())), 1e-6);
+}
+
 TEST_P(Family, TheNewPiecesChangeTheLoss) {
   // Guards the tests above against a bias or a head norm that never reaches the math.
   const LlamaConfig model = family_model(GetParam());
