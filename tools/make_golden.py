@@ -156,6 +156,9 @@ BASE_CONFIGS.update({
         eos_token_id=2,
     ),
 })
+# Mistral with a window that the rows reach (forward rows of 16, training rows of 12): keys 6 or
+# more positions back are masked.
+BASE_CONFIGS["mistral_window"] = dict(BASE_CONFIGS["mistral_head_dim"], sliding_window=6)
 
 # (folder, base config, use_rslora, seed). The rslora variant uses the same seed as gqa_rope,
 # so its base weights, batch and LoRA weights are bit-identical to gqa_rope's: only the LoRA
@@ -167,6 +170,7 @@ FIXTURES = [
     ("qwen2_bias", "qwen2_bias", False, 2501),
     ("qwen3_qk_norm", "qwen3_qk_norm", False, 2502),
     ("mistral_head_dim", "mistral_head_dim", False, 2503),
+    ("mistral_window", "mistral_window", False, 2504),
 ]
 
 LORA_R = 4
@@ -382,6 +386,10 @@ def reference_forward(weights, adapter, cfg, scaling, input_ids):
         return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
     causal = torch.full((T, T), float("-inf")).triu(1)
+    # SEMANTICS (Mistral's sliding window, masking_utils.sliding_window_overlay): query i keeps
+    # key j only when j > i - sliding_window, i.e. i - j < sliding_window.
+    if cfg.get("model_type") == "mistral" and cfg.get("sliding_window"):
+        causal = causal.masked_fill(torch.ones(T, T, dtype=torch.bool).tril(-cfg["sliding_window"]), float("-inf"))
     h = weights["model.embed_tokens.weight"][input_ids]
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}"
@@ -858,14 +866,20 @@ def families_readme(summaries):
     what = {
         "qwen2": "frozen q/k/v biases (redrawn as %g * randn), added before the LoRA term; tied embeddings" % BIAS_STD,
         "qwen3": "per-head RMSNorm on q and k (q_norm / k_norm weights redrawn around 1) before RoPE",
-        "mistral": "explicit head_dim; sliding_window 32, longer than every row (the mask is causal only)",
+        "mistral": "explicit head_dim; sliding_window %d",
     }
     for s in summaries:
         c = BASE_CONFIGS[s["base"]]
         sizes = (f"hidden {c['hidden_size']}, inter {c['intermediate_size']}, {c['num_hidden_layers']} layers, "
                  f"{c['num_attention_heads']} heads / {c['num_key_value_heads']} kv, head_dim {c['head_dim']}, "
                  f"vocab {c['vocab_size']}, {'tied' if c['tie_word_embeddings'] else 'untied'}")
-        lines.append(f"| `{s['name']}` | {c['model_type']} | {sizes} | {what[c['model_type']]} | {s['forward_loss']:.8g} |")
+        exercises = what[c["model_type"]]
+        if c["model_type"] == "mistral":
+            reach = c["sliding_window"] < 12  # the training rows, the shorter of the two
+            exercises = exercises % c["sliding_window"] + (
+                ", shorter than the rows: keys that far back are masked" if reach
+                else ", longer than every row (the mask is causal only)")
+        lines.append(f"| `{s['name']}` | {c['model_type']} | {sizes} | {exercises} | {s['forward_loss']:.8g} |")
     lines += ["", "Every family fixture also checks, in the script, that a from-scratch forward "
               "(`reference_forward`) equals transformers' logits, and PEFT's reload.", ""]
     return "\n".join(lines)

@@ -112,12 +112,15 @@ TEST(FamilyConfig, RefusesWhatItDoesNotImplementNamingTheKey) {
   EXPECT_CONTAINS(error_of([] { parse_with("llama", {{"sliding_window", 16}}); }), "\"sliding_window\"");
   // Qwen2's config has no bias switch: attention_bias is not read, its q/k/v biases always are.
   EXPECT_TRUE(parse_with("qwen2", {{"attention_bias", false}}).has_qkv_bias);
-  // A window shorter than the run's rows: the kernels have no window mask yet.
+  // A window shorter than the run's rows: the CPU attention masks it, the CUDA kernels have no
+  // window mask yet, so a CUDA run's plan refuses it.
   RunConfig run = small_run();
   run.max_seq_length = 48;
-  auto cpu = make_cpu_backend();
-  EXPECT_CONTAINS(error_of([&] { PlannedEngine engine(*cpu, run, family_model("tiny-mistral")); }),
+  EXPECT_CONTAINS(error_of([&] { plan_run(run, family_model("tiny-mistral"), Device::cuda); }),
                   "\"sliding_window\" 32");
+  EXPECT_NO_THROW(plan_run(run, family_model("tiny-mistral"), Device::cpu));
+  run.max_seq_length = 32;
+  EXPECT_NO_THROW(plan_run(run, family_model("tiny-mistral"), Device::cuda));
 }
 
 TEST(FamilyParamTable, BiasesAndHeadNormsHaveTheirHuggingFaceKeysAndShapes) {
@@ -325,6 +328,34 @@ TEST_P(Family, QloraStepEqualsBf16StepOnTheDequantizedWeights) {
   const StepReport b = dense->train_step(batches);
   EXPECT_NEAR(a.loss, b.loss, 1e-6 * b.loss);
   EXPECT_LT(rel_error(adapter_grads(qlora.engine()), adapter_grads(dense.engine())), 1e-6);
+}
+
+TEST(FamilySlidingWindow, EagerFlashAndCheckpointingAgreeAndTheWindowMasks) {
+  // Mistral's window shorter than the rows (5 of 24 tokens): the CPU attention masks keys 5 or
+  // more positions back, the same in the eager and flash paths, checkpointed or not.
+  LlamaConfig model = family_model("tiny-mistral");
+  model.sliding_window = 5;
+  auto step = [&](const LlamaConfig& config, const char* attn, bool ckpt) {
+    RunConfig run = small_run();
+    run.attn_implementation = attn;
+    run.gradient_checkpointing = ckpt;
+    run.mlp_chunk_tokens = ckpt ? 7 : 0;
+    auto cpu = make_cpu_backend();
+    PlannedEngine engine(*cpu, run, config);
+    init_family_engine(engine.engine());
+    const StepReport report = engine->train_step(random_batches(config, run, 2, 5));
+    return std::pair{report.loss, adapter_grads(engine.engine())};
+  };
+  const auto [loss, grads] = step(model, "eager", false);
+  for (const char* attn : {"eager", "flash"})
+    for (bool ckpt : {false, true}) {
+      const auto [got_loss, got_grads] = step(model, attn, ckpt);
+      EXPECT_NEAR(got_loss, loss, 1e-5 * loss) << attn << ckpt;
+      EXPECT_LT(rel_error(got_grads, grads), 1e-5) << attn << ckpt;
+    }
+  LlamaConfig unwindowed = model;
+  unwindowed.sliding_window = 0;
+  EXPECT_GT(std::abs(step(unwindowed, "flash", false).first - loss), 1e-4) << "the window masked nothing";
 }
 
 TEST_P(Family, TheNewPiecesChangeTheLoss) {

@@ -29,6 +29,10 @@ namespace memtune {
 struct AttentionDims {
   int64_t batch = 0, seq = 0, n_heads = 0, n_kv_heads = 0, head_dim = 0;
   float scale = 0.0f;  // softmax scale, head_dim^-0.5
+  // Sliding window (Mistral): query i also loses the keys j with i - j >= window, as
+  // transformers' sliding-window mask does; 0: none. Only the CPU backend applies one; the CUDA
+  // kernels take only windows that mask nothing (seq <= window), which the step ensures.
+  int64_t window = 0;
   int64_t tokens() const { return batch * seq; }
   int64_t group() const { return n_heads / n_kv_heads; }  // query heads per kv head (GQA)
 };

@@ -44,7 +44,8 @@ LlamaGenerator::LlamaGenerator(Backend& backend, Memory& memory, const LlamaConf
   const MemCategory transient = MemCategory::transient_activations;
   MT_USER_CHECK(config.sliding_window == 0 || options.capacity <= config.sliding_window,
                 "generate: a KV cache of {} tokens outgrows the model's \"sliding_window\" {}, and "
-                "memtune's attention has no sliding-window mask yet; generate at most {} tokens in all",
+                "the generator's attention (prefill and decode) has no sliding-window mask yet; "
+                "generate at most {} tokens in all",
                 options.capacity, config.sliding_window, config.sliding_window);
   inv_freq_ = memory.alloc("rope.inv_freq", MemCategory::workspace, DType::f32, Shape{config.head_dim / 2});
   if (memory.device() != Device::meta) {

@@ -24,6 +24,18 @@ class ActiveChunk {
 
 }  // namespace
 
+bool sliding_window_reached(const LlamaConfig& config, int64_t seq) {
+  return config.sliding_window > 0 && seq > config.sliding_window;
+}
+
+std::string sliding_window_refusal(const LlamaConfig& config, int64_t seq) {
+  return fmt::format("{}: \"sliding_window\" {} is shorter than the run's rows of {} tokens, and the "
+                     "CUDA attention kernels (eager, flash, cuDNN) have no sliding-window mask yet "
+                     "(the CPU backend has one); use --max_seq_length {} or less",
+                     config.name.empty() ? "model" : config.name, config.sliding_window, seq,
+                     config.sliding_window);
+}
+
 LlamaStep::LlamaStep(Backend& backend, Memory& memory, const LlamaConfig& config,
                      const StepOptions& options, const ModelWeights& weights,
                      const LoraState& lora)
@@ -45,11 +57,10 @@ LlamaStep::LlamaStep(Backend& backend, Memory& memory, const LlamaConfig& config
                 "--attn_implementation cudnn: cuDNN attention is not available here (this build "
                 "has no cuDNN frontend, libcudnn is not 9.x, or the GPU is older than sm80); use "
                 "--attn_implementation flash");
-  // A window that no row reaches masks nothing: keys are at most seq - 1 positions back.
-  MT_USER_CHECK(config.sliding_window == 0 || options.seq <= config.sliding_window,
-                "{}: \"sliding_window\" {} is shorter than the run's rows of {} tokens, and memtune's "
-                "attention kernels have no sliding-window mask yet; use --max_seq_length {} or less",
-                config.name, config.sliding_window, options.seq, config.sliding_window);
+  // A window that no row reaches masks nothing (keys are at most seq - 1 positions back); one
+  // that rows reach is applied by the CPU attention only.
+  MT_USER_CHECK(memory_.device() != Device::cuda || !sliding_window_reached(config, options.seq),
+                "{}", sliding_window_refusal(config, options.seq));
   inv_freq_ = memory_.alloc("rope.inv_freq", MemCategory::workspace, DType::f32,
                             Shape{config.head_dim / 2});
   if (memory_.device() != Device::meta) {
@@ -138,6 +149,7 @@ AttentionDims LlamaStep::attention_dims() const {
   d.n_kv_heads = config_.num_key_value_heads;
   d.head_dim = config_.head_dim;
   d.scale = 1.0f / std::sqrt(static_cast<float>(config_.head_dim));
+  d.window = config_.sliding_window;
   return d;
 }
 

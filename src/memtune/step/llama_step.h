@@ -57,6 +57,7 @@
 #pragma once
 
 #include <array>
+#include <string>
 #include <functional>
 #include <vector>
 
@@ -105,6 +106,11 @@ struct MicroBatchBuffers {
   // the step's tokens; empty (no slots) unless set_packed_segments made one for this batch.
   RaggedAttention ragged;
 };
+
+// Whether rows of `seq` tokens reach the model's sliding window (Mistral), so that the window
+// masks keys; and the refusal for a device whose attention has no window mask (CUDA).
+bool sliding_window_reached(const LlamaConfig& config, int64_t seq);
+std::string sliding_window_refusal(const LlamaConfig& config, int64_t seq);
 
 class LlamaStep {
  public:

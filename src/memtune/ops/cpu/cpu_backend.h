@@ -129,6 +129,7 @@ struct AttentionView {
   // Query position i of batch row b sees key position j.
   bool visible(int64_t b, int64_t i, int64_t j) const {
     if (j > i) return false;
+    if (dims.window > 0 && i - j >= dims.window) return false;
     if (segments == nullptr) return true;
     const int32_t* row = segments + b * dims.seq;
     return row[i] == row[j];

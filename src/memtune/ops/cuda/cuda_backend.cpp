@@ -42,6 +42,9 @@ void check_same_count(const Tensor& t, const Tensor& like, const char* what) {
 cuda::AttentionParams attention_params(const AttentionDims& dims, const Tensor& q,
                                        const Tensor& k, const Tensor& v, const Tensor& segments) {
   check_attention_inputs(dims, q, k, v, check_float_tensor);
+  // The kernels have no sliding-window mask; the step refuses a window that rows reach.
+  MT_ASSERT(dims.window == 0 || dims.seq <= dims.window,
+            "CUDA attention over rows of {} under a sliding window of {}", dims.seq, dims.window);
   const int64_t n = dims.tokens();
   cuda::AttentionParams p;
   p.batch = dims.batch;
