@@ -4,7 +4,13 @@
     python3 tools/make_golden.py --out tests/fixtures/golden
 
 Each fixture folder is a tiny Llama (transformers' LlamaForCausalLM, fp32, eager attention)
-with a PEFT LoRA adapter, plus the outputs of a forward/backward pass and five AdamW steps.
+with a PEFT LoRA adapter, plus the outputs of a forward/backward pass and five AdamW steps. The
+family fixtures (qwen2_bias, qwen3_qk_norm, mistral_head_dim) are the same with transformers'
+Qwen2ForCausalLM, Qwen3ForCausalLM and MistralForCausalLM at odd sizes.
+
+    python3 tools/make_golden.py --out tests/fixtures/golden --only qwen2_bias,qwen3_qk_norm
+
+writes only the named folders and leaves README.md alone (it describes the Llama fixtures).
 tests/fixtures/golden/README.md (written by this script) describes every file.
 
 This script doubles as documentation of the Hugging Face semantics that the engine must
@@ -33,7 +39,7 @@ import torch.nn.functional as F
 import transformers
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
 from safetensors.torch import load_file, save_file
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 # SEMANTICS: label value that the HF loss skips (torch cross_entropy's ignore_index default).
 IGNORE_INDEX = -100
@@ -49,6 +55,9 @@ NORM_WEIGHT_STD = 0.1
 # PEFT initialises lora_B to zeros, which makes every lora_A gradient zero on the first step.
 # The fixtures overwrite lora_B with LORA_B_STD * randn; lora_A keeps PEFT's own init.
 LORA_B_STD = 0.05
+# transformers zeroes every nn.Linear bias at init; Qwen2's q/k/v biases are redrawn as
+# BIAS_STD * randn so that a bias that never reaches the math shows up.
+BIAS_STD = 0.5
 
 BASE_CONFIGS = {
     "gqa_rope": dict(
@@ -92,6 +101,65 @@ BASE_CONFIGS = {
     ),
 }
 
+# The families beyond Llama (issue 25), at odd sizes: head_dim != hidden / heads, GQA, tied and
+# untied. "model_type" picks transformers' config and model classes.
+BASE_CONFIGS.update({
+    "qwen2_bias": dict(
+        model_type="qwen2",  # biases on q, k and v; use_sliding_window false (the window is off)
+        hidden_size=40,
+        intermediate_size=52,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=10,  # hidden / heads would be 6.67
+        vocab_size=97,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        max_position_embeddings=2048,
+        use_sliding_window=False,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
+    "qwen3_qk_norm": dict(
+        model_type="qwen3",  # RMSNorm per head on q and k before RoPE
+        hidden_size=36,
+        intermediate_size=50,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=14,  # hidden / heads would be 9
+        vocab_size=89,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        max_position_embeddings=2048,
+        use_sliding_window=False,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
+    "mistral_head_dim": dict(
+        model_type="mistral",  # Llama's layer; explicit head_dim; a window no row reaches
+        hidden_size=44,
+        intermediate_size=60,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=12,  # hidden / heads would be 11
+        vocab_size=83,
+        rms_norm_eps=1e-5,
+        rope_theta=1000000.0,
+        max_position_embeddings=2048,
+        sliding_window=32,  # longer than every row here: the mask is causal only
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
+})
+# Mistral with a window that the rows reach (forward rows of 16, training rows of 12): keys 6 or
+# more positions back are masked.
+BASE_CONFIGS["mistral_window"] = dict(BASE_CONFIGS["mistral_head_dim"], sliding_window=6)
+
 # (folder, base config, use_rslora, seed). The rslora variant uses the same seed as gqa_rope,
 # so its base weights, batch and LoRA weights are bit-identical to gqa_rope's: only the LoRA
 # scaling differs (alpha/sqrt(r) = 4 instead of alpha/r = 2).
@@ -99,6 +167,10 @@ FIXTURES = [
     ("gqa_rope", "gqa_rope", False, 1234),
     ("gqa_rope_rslora", "gqa_rope", True, 1234),
     ("tied_odd", "tied_odd", False, 5678),
+    ("qwen2_bias", "qwen2_bias", False, 2501),
+    ("qwen3_qk_norm", "qwen3_qk_norm", False, 2502),
+    ("mistral_head_dim", "mistral_head_dim", False, 2503),
+    ("mistral_window", "mistral_window", False, 2504),
 ]
 
 LORA_R = 4
@@ -177,21 +249,31 @@ def token_loss_sum(logits, labels):
 # Model construction
 # --------------------------------------------------------------------------------------------
 
+def model_type_of(cfg_kwargs):
+    return cfg_kwargs.get("model_type", "llama")
+
+
 def build_base(cfg_kwargs, seed):
     """transformers' own seeded init (normal(0, initializer_range) for Linear and Embedding,
-    ones for RMSNorm), then the RMSNorm weights redrawn around 1."""
-    config = LlamaConfig(
-        **cfg_kwargs,
-        initializer_range=INITIALIZER_RANGE,
-        attn_implementation="eager",
-    )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).float()
+    ones for RMSNorm, zeros for biases), then the RMSNorm weights (Qwen3's q_norm / k_norm
+    included) redrawn around 1 and the biases (Qwen2's q/k/v) redrawn around 0."""
+    kwargs = {k: v for k, v in cfg_kwargs.items() if k != "model_type"}
+    if model_type_of(cfg_kwargs) == "llama":
+        config = LlamaConfig(**kwargs, initializer_range=INITIALIZER_RANGE, attn_implementation="eager")
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config).float()
+    else:
+        config = AutoConfig.for_model(model_type_of(cfg_kwargs), **kwargs,
+                                      initializer_range=INITIALIZER_RANGE, attn_implementation="eager")
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config).float()
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in sorted(model.named_parameters()):
             if name.endswith("norm.weight"):
                 p.copy_(1.0 + NORM_WEIGHT_STD * torch.randn(p.shape, generator=gen))
+            elif name.endswith(".bias"):
+                p.copy_(BIAS_STD * torch.randn(p.shape, generator=gen))
     model.eval()  # no dropout anywhere in Llama anyway (attention_dropout 0.0)
     return model
 
@@ -280,7 +362,11 @@ def reference_forward(weights, adapter, cfg, scaling, input_ids):
         return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
     def linear(x, prefix):
-        y = x @ weights[prefix + ".weight"].T  # no biases anywhere in Llama
+        y = x @ weights[prefix + ".weight"].T
+        # SEMANTICS (Qwen2 bias): the frozen layer's F.linear adds its bias, and PEFT adds the
+        # LoRA term to that output: bias before LoRA. Llama, Qwen3 and Mistral have none.
+        if prefix + ".bias" in weights:
+            y = y + weights[prefix + ".bias"]
         a = adapter.get("base_model.model." + prefix + ".lora_A.weight")
         if a is not None:
             b = adapter["base_model.model." + prefix + ".lora_B.weight"]
@@ -300,12 +386,22 @@ def reference_forward(weights, adapter, cfg, scaling, input_ids):
         return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
     causal = torch.full((T, T), float("-inf")).triu(1)
+    # SEMANTICS (Mistral's sliding window, masking_utils.sliding_window_overlay): query i keeps
+    # key j only when j > i - sliding_window, i.e. i - j < sliding_window.
+    if cfg.get("model_type") == "mistral" and cfg.get("sliding_window"):
+        causal = causal.masked_fill(torch.ones(T, T, dtype=torch.bool).tril(-cfg["sliding_window"]), float("-inf"))
     h = weights["model.embed_tokens.weight"][input_ids]
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}"
         x = rmsnorm(h, weights[p + ".input_layernorm.weight"])
-        q = linear(x, p + ".self_attn.q_proj").view(B, T, nh, hd).transpose(1, 2)
-        k = linear(x, p + ".self_attn.k_proj").view(B, T, nkv, hd).transpose(1, 2)
+        q = linear(x, p + ".self_attn.q_proj").view(B, T, nh, hd)
+        k = linear(x, p + ".self_attn.k_proj").view(B, T, nkv, hd)
+        # SEMANTICS (Qwen3 q/k norm): RMSNorm over each head's head_dim values of the projection
+        # output (LoRA included), with its own [head_dim] weight and rms_norm_eps, before RoPE.
+        if p + ".self_attn.q_norm.weight" in weights:
+            q = rmsnorm(q, weights[p + ".self_attn.q_norm.weight"])
+            k = rmsnorm(k, weights[p + ".self_attn.k_norm.weight"])
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = linear(x, p + ".self_attn.v_proj").view(B, T, nkv, hd).transpose(1, 2)
         q, k = rope(q), rope(k)
         # SEMANTICS (GQA): kv head j serves query heads j*g .. j*g+g-1 (g = nh/nkv),
@@ -339,7 +435,7 @@ def write_legacy_config(folder, base, checks):
     cfg["rope_theta"] = rope.pop("rope_theta")
     cfg["rope_scaling"] = None if rope.get("rope_type", "default") == "default" else rope
     write_json(os.path.join(folder, "config_hf4.json"), cfg)
-    legacy = LlamaConfig.from_json_file(os.path.join(folder, "config_hf4.json"))
+    legacy = type(base.config).from_json_file(os.path.join(folder, "config_hf4.json"))
     assert legacy.rope_parameters == base.config.rope_parameters, (legacy.rope_parameters, base.config.rope_parameters)
     legacy._attn_implementation = "eager"
     legacy_rope = type(base.model.rotary_emb)(legacy)
@@ -461,7 +557,7 @@ def make_fixture(out_dir, name, base_name, use_rslora, seed):
     assert close(loss_a, loss, 1e-6) and close(loss_b, loss, 1e-6)
 
     # Reload what was written, the way a user would, and compare logits.
-    reloaded_base = LlamaForCausalLM.from_pretrained(folder, attn_implementation="eager", dtype=torch.float32)
+    reloaded_base = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager", dtype=torch.float32)
     reloaded = PeftModel.from_pretrained(reloaded_base, adapter_dir).eval()
     with torch.no_grad():
         rl = reloaded(input_ids=ids).logits
@@ -617,6 +713,7 @@ def make_fixture(out_dir, name, base_name, use_rslora, seed):
 
     return {
         "name": name,
+        "base": base_name,
         "forward_loss": float(loss),
         "base_loss": base_loss,
         "train_losses": losses,
@@ -755,10 +852,48 @@ def readme(summaries):
     return "\n".join(lines)
 
 
+def families_readme(summaries):
+    """FAMILIES.md: the fixtures of the families beyond Llama. Their files are laid out as the
+    Llama fixtures' (README.md), plus the family's own base tensors in model.safetensors."""
+    v = versions()
+    lines = ["# Golden fixtures of the families beyond Llama", "",
+             "Written by `tools/make_golden.py`; do not edit by hand. Regenerate with", "",
+             "    python3 tools/make_golden.py --out tests/fixtures/golden --only "
+             + ",".join(s["name"] for s in summaries), "",
+             "Generated with: " + ", ".join(f"{k} {v[k]}" for k in ["python", "torch", "transformers", "peft"])
+             + " (CPU, one thread, float32, eager attention). Files as described in README.md.", "",
+             "| folder | model_type | sizes | what it exercises | forward loss |", "|---|---|---|---|---|"]
+    what = {
+        "qwen2": "frozen q/k/v biases (redrawn as %g * randn), added before the LoRA term; tied embeddings" % BIAS_STD,
+        "qwen3": "per-head RMSNorm on q and k (q_norm / k_norm weights redrawn around 1) before RoPE",
+        "mistral": "explicit head_dim; sliding_window %d",
+    }
+    for s in summaries:
+        c = BASE_CONFIGS[s["base"]]
+        sizes = (f"hidden {c['hidden_size']}, inter {c['intermediate_size']}, {c['num_hidden_layers']} layers, "
+                 f"{c['num_attention_heads']} heads / {c['num_key_value_heads']} kv, head_dim {c['head_dim']}, "
+                 f"vocab {c['vocab_size']}, {'tied' if c['tie_word_embeddings'] else 'untied'}")
+        exercises = what[c["model_type"]]
+        if c["model_type"] == "mistral":
+            reach = c["sliding_window"] < 12  # the training rows, the shorter of the two
+            exercises = exercises % c["sliding_window"] + (
+                ", shorter than the rows: keys that far back are masked" if reach
+                else ", longer than every row (the mask is causal only)")
+        lines.append(f"| `{s['name']}` | {c['model_type']} | {sizes} | {exercises} | {s['forward_loss']:.8g} |")
+    lines += ["", "Every family fixture also checks, in the script, that a from-scratch forward "
+              "(`reference_forward`) equals transformers' logits, and PEFT's reload.", ""]
+    return "\n".join(lines)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="tests/fixtures/golden", help="output folder")
+    ap.add_argument("--only", default="", help="comma-separated fixture folders to write (README.md untouched)")
     args = ap.parse_args()
+    only = [n for n in args.only.split(",") if n]
+    unknown = set(only) - {f[0] for f in FIXTURES}
+    if unknown:
+        ap.error(f"unknown fixtures {sorted(unknown)}")
 
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
@@ -766,9 +901,14 @@ def main():
     transformers.logging.set_verbosity_error()
 
     os.makedirs(args.out, exist_ok=True)
-    summaries = [make_fixture(args.out, *f) for f in FIXTURES]
-    with open(os.path.join(args.out, "README.md"), "w") as f:
-        f.write(readme(summaries))
+    summaries = [make_fixture(args.out, *f) for f in FIXTURES if not only or f[0] in only]
+    if not only:
+        with open(os.path.join(args.out, "README.md"), "w") as f:
+            f.write(readme(summaries))
+    family_summaries = [s for s in summaries if model_type_of(BASE_CONFIGS[s["base"]]) != "llama"]
+    if family_summaries:
+        with open(os.path.join(args.out, "FAMILIES.md"), "w") as f:
+            f.write(families_readme(family_summaries))
 
     print("versions:", json.dumps(versions()))
     for s in summaries:

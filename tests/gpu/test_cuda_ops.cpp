@@ -155,6 +155,45 @@ TEST_F(CudaTest, AddInPlace) {
     }
 }
 
+TEST_F(CudaTest, BroadcastRowsAgainstCpu) {
+  // A projection's bias into y (Qwen2's q/k/v): any bias dtype into any output dtype, odd widths,
+  // and rows of a larger buffer (a token chunk), which must leave the rows around them alone.
+  for (DType row_type : kFloatTypes)
+    for (DType out_type : kFloatTypes)
+      for (int64_t cols : {int64_t{1}, int64_t{10}, int64_t{33}, int64_t{512}}) {
+        const std::string what = std::string(optest::dtype_label(row_type)) + "->" +
+                                 optest::dtype_label(out_type) + " cols=" + std::to_string(cols);
+        HostTensor row = random_tensor(row_type, Shape{cols}, rng_, -3, 3);
+        HostTensor whole = random_tensor(out_type, Shape{9, cols}, rng_, -3, 3);
+        DeviceTensor row_dev = upload(row), whole_dev = upload(whole);
+        gpu().broadcast_rows(static_cast<Tensor>(whole_dev).slice_rows(2, 7), row_dev);
+        cpu().broadcast_rows(whole.tensor().slice_rows(2, 7), row);
+        expect_each_close("broadcast_rows " + what, whole_dev.floats(), whole.floats(), out_type, 1.0, 0.0);
+      }
+}
+
+TEST_F(CudaTest, PerHeadRmsNormAgainstCpu) {
+  // Qwen3's q/k norm: rows of head_dim values, one per (token, head), many short rows; the
+  // backward in place on dy as the step runs it.
+  for (DType type : kFloatTypes)
+    for (int64_t head_dim : {int64_t{14}, int64_t{64}, int64_t{128}}) {
+      const int64_t rows = 37 * 6;  // 37 tokens x 6 heads
+      const std::string what = std::string(optest::dtype_label(type)) + " head_dim=" + std::to_string(head_dim);
+      HostTensor x = random_tensor(type, Shape{rows, head_dim}, rng_, -2, 2);
+      HostTensor w = random_tensor(type, Shape{head_dim}, rng_, 0.5, 1.5);
+      HostTensor dy = random_tensor(type, Shape{rows, head_dim}, rng_);
+      DeviceTensor x_dev = upload(x), w_dev = upload(w), dy_dev = upload(dy);
+      DeviceTensor out = poisoned(type, Shape{rows, head_dim}), rstd = poisoned(DType::f32, Shape{rows});
+      HostTensor out_ref(type, Shape{rows, head_dim}), rstd_ref(DType::f32, Shape{rows});
+      gpu().rmsnorm_forward(out, rstd, x_dev, w_dev, 1e-6f);
+      cpu().rmsnorm_forward(out_ref, rstd_ref, x, w, 1e-6f);
+      expect_each_close("head norm fwd " + what, out.floats(), out_ref.floats(), type, 8.0, 0.0);
+      gpu().rmsnorm_backward(dy_dev, dy_dev, x_dev, w_dev, rstd, false);
+      cpu().rmsnorm_backward(dy, dy, x, w, rstd_ref, false);
+      expect_each_close("head norm bwd in place " + what, dy_dev.floats(), dy.floats(), type);
+    }
+}
+
 TEST_F(CudaTest, FillRandomMatchesCpu) {
   for (DType type : kFloatTypes)
     for (auto distribution : {Backend::Distribution::normal, Backend::Distribution::uniform}) {

@@ -144,7 +144,10 @@ struct GoldenRun {
 };
 
 TEST_F(CudaStepTest, GoldenLossAndGradsInFp32AndBf16) {
-  for (const char* fixture : {"gqa_rope", "gqa_rope_rslora", "tied_odd"}) {
+  // With the families beyond Llama (issue 25): Qwen2's q/k/v biases, Qwen3's per-head q/k norm,
+  // Mistral's explicit head_dim.
+  for (const char* fixture : {"gqa_rope", "gqa_rope_rslora", "tied_odd", "qwen2_bias", "qwen3_qk_norm",
+                              "mistral_head_dim"}) {
     for (Precision precision : {Precision::fp32, Precision::bf16}) {
       for (const char* attention : {"eager", "flash"}) {
         SCOPED_TRACE(std::string(fixture) + " " + std::string(precision_name(precision)) + " " + attention);

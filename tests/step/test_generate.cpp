@@ -71,7 +71,8 @@ TEST(Generate, GreedyTokensEqualTransformersGenerate) {
 }
 
 TEST(Generate, FullForwardEqualsTransformersLogits) {
-  for (const char* name : {"gqa_rope", "tied_odd"}) {
+  // And the families beyond Llama: Qwen2's biases, Qwen3's per-head q/k norm, Mistral.
+  for (const char* name : {"gqa_rope", "tied_odd", "qwen2_bias", "qwen3_qk_norm", "mistral_head_dim"}) {
     const SafetensorsFile batch = SafetensorsFile::open(golden(name) / "batch.safetensors");
     const SafetensorsFile forward = SafetensorsFile::open(golden(name) / "forward.safetensors");
     const SafetensorsTensor& ids = batch.get("input_ids");
@@ -127,6 +128,14 @@ TEST(Generate, KvCacheLogitsEqualTheFullForwardAtEveryPosition) {
     // ... a prefill, then single tokens and multi-token appends to the cache.
     expect_cached_equals_full(name, ids, {7, 1, 1, 4, 1, 6});
   }
+  // The families' vocabularies are smaller (83 to 97): the same ids folded into them. Qwen3's
+  // cache holds keys after its k norm and RoPE.
+  std::vector<int32_t> small_ids = ids;
+  for (int32_t& id : small_ids) id %= 83;
+  for (const char* name : {"qwen2_bias", "qwen3_qk_norm", "mistral_head_dim"}) {
+    expect_cached_equals_full(name, small_ids, std::vector<int64_t>(small_ids.size(), 1));
+    expect_cached_equals_full(name, small_ids, {7, 1, 1, 4, 1, 6});
+  }
 }
 
 TEST(Generate, StopsAfterAStopToken) {
@@ -151,6 +160,18 @@ TEST(Generate, CacheOverflowAndBadIdsAreUserErrors) {
   session.generator().forward(std::vector<int32_t>{1, 2, 3});
   EXPECT_THROW(session.generator().forward(std::vector<int32_t>{4, 5}), Error);
   EXPECT_NO_THROW(session.generator().forward(std::vector<int32_t>{4}));
+}
+
+TEST(Generate, ACacheLongerThanMistralsSlidingWindowIsRefused) {
+  // mistral_head_dim's window is 32 tokens, and the attention has no window mask yet: a cache
+  // that fits in the window is exact (HF masks only keys 32 or more positions back).
+  EXPECT_NO_THROW(Session("mistral_head_dim", true, 32, 8));
+  try {
+    Session session("mistral_head_dim", true, 33, 8);
+    ADD_FAILURE() << "a 33-token cache under a 32-token window was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("\"sliding_window\" 32"), std::string::npos) << e.what();
+  }
 }
 
 // The decode op against the last query row of the causal flash kernel over the same keys, with

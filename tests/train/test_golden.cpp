@@ -150,5 +150,22 @@ TEST_P(Golden, FiveAdamWStepsWithAccumulationAndClippingMatch) {
 }
 
 INSTANTIATE_TEST_SUITE_P(HF, Golden, ::testing::Values("gqa_rope", "gqa_rope_rslora", "tied_odd"));
+// The families beyond Llama (issue 25): Qwen2's q/k/v biases (tied), Qwen3's per-head q/k norm,
+// Mistral's explicit head_dim under a window no row reaches (mistral_head_dim) and under one the
+// rows reach (mistral_window: 6 of 16 and 12 tokens, masked by the CPU attention); head_dim !=
+// hidden / heads in all.
+INSTANTIATE_TEST_SUITE_P(Families, Golden, ::testing::Values("qwen2_bias", "qwen3_qk_norm", "mistral_head_dim",
+                                                             "mistral_window"));
+
+TEST(GoldenConfig, BothRopeLayoutsOfEveryFamilyReadTheSame) {
+  for (const char* name : {"qwen2_bias", "qwen3_qk_norm", "mistral_head_dim", "mistral_window"}) {
+    const LlamaConfig v5 = LlamaConfig::from_file(golden_dir(name) / "config.json");
+    const LlamaConfig v4 = LlamaConfig::from_file(golden_dir(name) / "config_hf4.json");
+    EXPECT_EQ(v5.rope_theta, 1e6) << name;
+    EXPECT_EQ(v4.rope_theta, v5.rope_theta) << name;
+    EXPECT_EQ(v4.family, v5.family) << name;
+    EXPECT_EQ(v4.head_dim, v5.head_dim) << name;
+  }
+}
 
 }  // namespace

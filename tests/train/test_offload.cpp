@@ -76,6 +76,7 @@ class DeferredCopyBackend final : public Backend {
   void fill(const Tensor& d, float v) override { cpu_->fill(d, v); }
   void convert(const Tensor& d, const Tensor& s) override { cpu_->convert(d, s); }
   void add(const Tensor& d, const Tensor& a, const Tensor& b) override { cpu_->add(d, a, b); }
+  void broadcast_rows(const Tensor& d, const Tensor& row) override { cpu_->broadcast_rows(d, row); }
   void matmul(const Tensor& c, const Tensor& a, bool ta, const Tensor& b, bool tb, float alpha, float beta) override {
     cpu_->matmul(c, a, ta, b, tb, alpha, beta);
   }

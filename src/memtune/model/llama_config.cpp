@@ -58,15 +58,71 @@ double number_or(const json& object, const char* key, double fallback, const std
   return it->get<double>();
 }
 
+bool family_from_name(const std::string& name, ModelFamily* out) {
+  for (ModelFamily family : {ModelFamily::llama, ModelFamily::qwen2, ModelFamily::qwen3,
+                             ModelFamily::mistral})
+    if (name == model_family_name(family)) {
+      *out = family;
+      return true;
+    }
+  return false;
+}
+
+// The window that the attention must apply, or 0. Mistral's is on whenever sliding_window is a
+// number (every layer; transformers' mask keeps key j for query i when i - j < window). Qwen2 / Qwen3 write a sliding_window that only counts with
+// use_sliding_window true, and then for the layers from max_window_layers on (transformers 5
+// spells that out as layer_types): a per-layer window that memtune does not implement, refused.
+void read_sliding_window(const json& j, const std::string& source, LlamaConfig& c) {
+  auto window = j.find("sliding_window");
+  const bool has_window = window != j.end() && !window->is_null();
+  if (has_window)
+    MT_USER_CHECK(window->is_number_integer() && window->get<int64_t>() > 0,
+                  "{}: \"sliding_window\" must be a positive integer or null, got {}", source,
+                  window->dump());
+  if (c.family == ModelFamily::qwen2 || c.family == ModelFamily::qwen3) {
+    auto use = j.find("use_sliding_window");
+    MT_USER_CHECK(use == j.end() || use->is_null() || (use->is_boolean() && !use->get<bool>()),
+                  "{}: \"use_sliding_window\": true is not supported (a sliding window on some "
+                  "layers only); memtune trains {} with full attention on every layer",
+                  source, model_family_name(c.family));
+  } else if (c.family == ModelFamily::mistral) {
+    // MistralConfig's default is 4096 when the key is absent; an explicit null is no window.
+    c.sliding_window = window == j.end() ? 4096 : has_window ? window->get<int64_t>() : 0;
+  } else {
+    MT_USER_CHECK(!has_window, "{}: \"sliding_window\" is not supported for model_type \"{}\"",
+                  source, model_family_name(c.family));
+  }
+  if (auto types = j.find("layer_types"); types != j.end() && !types->is_null()) {
+    MT_USER_CHECK(types->is_array(), "{}: \"layer_types\" must be a list", source);
+    for (size_t i = 0; i < types->size(); ++i)
+      MT_USER_CHECK((*types)[i] == "full_attention" ||
+                        (c.sliding_window > 0 && (*types)[i] == "sliding_attention"),
+                    "{}: \"layer_types\"[{}] is {}: memtune supports \"full_attention\" layers "
+                    "(and Mistral's window on every layer)",
+                    source, i, (*types)[i].dump());
+  }
+}
+
 }  // namespace
+
+std::string_view model_family_name(ModelFamily family) {
+  switch (family) {
+    case ModelFamily::llama: return "llama";
+    case ModelFamily::qwen2: return "qwen2";
+    case ModelFamily::qwen3: return "qwen3";
+    case ModelFamily::mistral: return "mistral";
+  }
+  return "?";
+}
 
 LlamaConfig LlamaConfig::from_json(const json& j, const std::string& source) {
   MT_USER_CHECK(j.is_object(), "{}: config must be a JSON object", source);
   const json& model_type = require(j, "model_type", source);
-  MT_USER_CHECK(model_type.is_string() && model_type.get<std::string>() == "llama",
-                "{}: unsupported model_type {} (memtune supports \"llama\")", source,
-                model_type.dump());
   LlamaConfig c;
+  MT_USER_CHECK(model_type.is_string() && family_from_name(model_type.get<std::string>(), &c.family),
+                "{}: unsupported model_type {} (memtune supports \"llama\", \"qwen2\", \"qwen3\" "
+                "and \"mistral\")",
+                source, model_type.dump());
   c.hidden_size = require_size(j, "hidden_size", source);
   c.intermediate_size = require_size(j, "intermediate_size", source);
   c.num_hidden_layers = require_size(j, "num_hidden_layers", source);
@@ -78,6 +134,9 @@ LlamaConfig LlamaConfig::from_json(const json& j, const std::string& source) {
   c.max_position_embeddings = require_size(j, "max_position_embeddings", source);
   if (j.contains("head_dim") && !j["head_dim"].is_null()) {
     c.head_dim = require_size(j, "head_dim", source);
+  } else if (c.family == ModelFamily::qwen3) {
+    // Qwen3Config's own default, not hidden / heads (Qwen3-8B: hidden 4096, 32 heads, 128).
+    c.head_dim = 128;
   } else {
     MT_USER_CHECK(c.hidden_size % c.num_attention_heads == 0,
                   "{}: hidden_size {} is not divisible by num_attention_heads {} and no head_dim "
@@ -99,11 +158,18 @@ LlamaConfig LlamaConfig::from_json(const json& j, const std::string& source) {
     MT_USER_CHECK(it->is_boolean(), "{}: tie_word_embeddings must be true or false", source);
     c.tie_word_embeddings = it->get<bool>();
   }
+  // Qwen2's attention hard-codes biases on q, k and v (its config has no switch for them);
+  // elsewhere attention_bias true would add an o_proj bias too, which memtune does not have.
+  c.has_qkv_bias = c.family == ModelFamily::qwen2;
+  c.has_qk_norm = c.family == ModelFamily::qwen3;
   for (const char* key : {"attention_bias", "mlp_bias"}) {
+    if (c.family == ModelFamily::qwen2 && std::string_view(key) == "attention_bias") continue;
     auto it = j.find(key);
     MT_USER_CHECK(it == j.end() || it->is_null() || (it->is_boolean() && !it->get<bool>()),
-                  "{}: \"{}\": true is not supported (Llama has no biases)", source, key);
+                  "{}: \"{}\": true is not supported (memtune's {} layer has no such biases)",
+                  source, key, model_family_name(c.family));
   }
+  read_sliding_window(j, source, c);
   if (auto it = j.find("hidden_act"); it != j.end() && !it->is_null())
     MT_USER_CHECK(*it == "silu", "{}: hidden_act {} is not supported (only \"silu\")", source,
                   it->dump());
@@ -168,8 +234,10 @@ LlamaConfig LlamaConfig::from_file(const std::filesystem::path& path) {
 }
 
 json LlamaConfig::to_json() const {
-  json j = {{"architectures", {"LlamaForCausalLM"}},
-            {"model_type", "llama"},
+  static constexpr const char* kArchitectures[] = {"LlamaForCausalLM", "Qwen2ForCausalLM",
+                                                   "Qwen3ForCausalLM", "MistralForCausalLM"};
+  json j = {{"architectures", {kArchitectures[static_cast<int>(family)]}},
+            {"model_type", std::string(model_family_name(family))},
             {"hidden_size", hidden_size},
             {"intermediate_size", intermediate_size},
             {"num_hidden_layers", num_hidden_layers},
@@ -199,6 +267,11 @@ json LlamaConfig::to_json() const {
   if (eos_token_ids.size() == 1) j["eos_token_id"] = eos_token_ids[0];
   else if (!eos_token_ids.empty()) j["eos_token_id"] = eos_token_ids;
   if (!torch_dtype.empty()) j["torch_dtype"] = torch_dtype;
+  // Qwen2 has no bias switch (its q/k/v biases are implied by the model type).
+  if (family == ModelFamily::qwen2) j.erase("attention_bias");
+  if (family == ModelFamily::qwen2 || family == ModelFamily::qwen3) j["use_sliding_window"] = false;
+  if (family == ModelFamily::mistral)
+    j["sliding_window"] = sliding_window > 0 ? json(sliding_window) : json(nullptr);
   return j;
 }
 

@@ -1,9 +1,12 @@
-// The model description, read from a Hugging Face config.json (LlamaConfig fields).
+// The model description, read from a Hugging Face config.json: Llama and the families whose
+// layer is Llama's with a few additions (Qwen2 / Qwen2.5, Qwen3, Mistral). The struct keeps its
+// name: the engine is the Llama engine, and every family is a Llama layer plus the switches below.
 #pragma once
 
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace memtune {
@@ -14,7 +17,22 @@ struct RopeScaling {
   int64_t original_max_position_embeddings = 8192;
 };
 
+// The config.json model_type values memtune trains. Each is Llama's decoder layer plus:
+//   qwen2:   frozen biases on q_proj, k_proj and v_proj (has_qkv_bias)
+//   qwen3:   per-head RMSNorm on q and k before RoPE (has_qk_norm); head_dim set explicitly
+//   mistral: explicit head_dim; an optional sliding window (sliding_window)
+enum class ModelFamily : uint8_t { llama, qwen2, qwen3, mistral };
+std::string_view model_family_name(ModelFamily family);  // the model_type string
+
 struct LlamaConfig {
+  ModelFamily family = ModelFamily::llama;
+  // Qwen2's q/k/v projections carry biases (o_proj and the MLP do not).
+  bool has_qkv_bias = false;
+  // Qwen3's q_norm / k_norm: RMSNorm over each head's head_dim values of q and k, before RoPE.
+  bool has_qk_norm = false;
+  // Keys further than this many positions back are masked (q - k >= window); 0: no window. Only
+  // an active window is kept (Qwen's use_sliding_window false leaves 0 here).
+  int64_t sliding_window = 0;
   int64_t hidden_size = 0, intermediate_size = 0, num_hidden_layers = 0;
   int64_t num_attention_heads = 0, num_key_value_heads = 0, head_dim = 0;
   int64_t vocab_size = 0, max_position_embeddings = 0;

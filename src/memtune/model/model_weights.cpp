@@ -102,10 +102,22 @@ ModelWeights ModelWeights::allocate(Memory& memory, const LlamaConfig& config, D
           weights.layers[spec.layer].input_norm = t;
         else weights.layers[spec.layer].post_norm = t;
         break;
+      case ParamKind::bias:
+      case ParamKind::head_norm: *weights.layers[spec.layer].field_for(spec) = t; break;
     }
   }
   if (config.tie_word_embeddings) weights.lm_head = weights.embed_tokens;
   return weights;
+}
+
+Tensor* LayerWeights::field_for(const ParamSpec& spec) {
+  const int p = static_cast<int>(spec.projection);
+  switch (spec.kind) {
+    case ParamKind::bias: return &bias[p];
+    case ParamKind::head_norm: return spec.projection == Projection::q ? &q_norm : &k_norm;
+    default: MT_ASSERT(false, "{} is not a bias or a head norm", spec.hf_key);
+  }
+  return nullptr;
 }
 
 bool ModelWeights::is_quantized(size_t index) const {
@@ -208,6 +220,8 @@ std::vector<std::pair<std::string, Tensor*>> ModelWeights::named_buffers() {
           out.emplace_back(spec.hf_key, &layers[spec.layer].input_norm);
         else out.emplace_back(spec.hf_key, &layers[spec.layer].post_norm);
         break;
+      case ParamKind::bias:
+      case ParamKind::head_norm: out.emplace_back(spec.hf_key, layers[spec.layer].field_for(spec)); break;
     }
   }
   return out;
@@ -232,8 +246,11 @@ void ModelWeights::init_random_rows(Backend& backend, const LlamaConfig& config,
       backend.fill_random(dense, Backend::Distribution::normal, 0.0f, std_dev, tensor_seed);
       backend.quantize_4bit(layers[spec.layer].quantized[static_cast<int>(spec.projection)], dense,
                             spec.hf_key);
-    } else if (table[i].kind == ParamKind::norm) {
+    } else if (table[i].kind == ParamKind::norm || table[i].kind == ParamKind::head_norm) {
       backend.fill(tensors[i], 1.0f);
+    } else if (table[i].kind == ParamKind::bias) {
+      // transformers' _init_weights zeroes every nn.Linear bias.
+      backend.fill(tensors[i], 0.0f);
     } else {
       backend.fill_random(tensors[i], Backend::Distribution::normal, 0.0f, std_dev, tensor_seed);
     }

@@ -20,6 +20,13 @@ struct LayerWeights {
   // quantized form holds the weight.
   std::array<Tensor, kNumProjections> projections;
   std::array<Quantized4bit, kNumProjections> quantized;
+  // Indexed by Projection: the frozen bias [out] where the family has one (Qwen2: q, k, v), else
+  // empty. Biases stay in the storage dtype under 4-bit quantization, as bitsandbytes keeps them.
+  std::array<Tensor, kNumProjections> bias;
+  // Qwen3's per-head RMSNorm weights [head_dim] on q and k; empty for other families.
+  Tensor q_norm, k_norm;
+  // The field that holds a bias or head_norm row of the parameter table.
+  Tensor* field_for(const ParamSpec& spec);
 };
 
 struct ModelWeights {

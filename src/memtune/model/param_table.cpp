@@ -60,7 +60,18 @@ std::vector<ParamSpec> base_parameter_table(const LlamaConfig& c) {
     };
     table.push_back({prefix + "input_layernorm.weight", ParamKind::norm, layer, Projection::q,
                      Shape{c.hidden_size}});
-    for (Projection p : {Projection::q, Projection::k, Projection::v, Projection::o}) linear(p);
+    for (Projection p : {Projection::q, Projection::k, Projection::v, Projection::o}) {
+      linear(p);
+      if (c.has_qkv_bias && p != Projection::o)
+        table.push_back({prefix + std::string(projection_module(p)) + ".bias", ParamKind::bias,
+                         layer, p, Shape{projection_out_features(c, p)}});
+    }
+    if (c.has_qk_norm) {
+      table.push_back({prefix + "self_attn.q_norm.weight", ParamKind::head_norm, layer,
+                       Projection::q, Shape{c.head_dim}});
+      table.push_back({prefix + "self_attn.k_norm.weight", ParamKind::head_norm, layer,
+                       Projection::k, Shape{c.head_dim}});
+    }
     table.push_back({prefix + "post_attention_layernorm.weight", ParamKind::norm, layer,
                      Projection::q, Shape{c.hidden_size}});
     for (Projection p : {Projection::gate, Projection::up, Projection::down}) linear(p);

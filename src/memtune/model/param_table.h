@@ -28,18 +28,22 @@ bool projection_from_name(std::string_view name, Projection* out);  // "q_proj" 
 int64_t projection_in_features(const LlamaConfig& c, Projection p);
 int64_t projection_out_features(const LlamaConfig& c, Projection p);
 
-enum class ParamKind : uint8_t { embedding, norm, linear, lm_head };
+// bias: a projection's frozen bias (Qwen2's q/k/v), [out]. head_norm: Qwen3's q_norm / k_norm,
+// an RMSNorm weight over one head's values, [head_dim] (projection q or k says which).
+enum class ParamKind : uint8_t { embedding, norm, linear, lm_head, bias, head_norm };
 
 struct ParamSpec {
   std::string hf_key;  // "model.layers.3.self_attn.q_proj.weight"
   ParamKind kind;
   int layer = -1;      // -1: not inside a layer
-  Projection projection = Projection::q;  // for kind == linear
+  Projection projection = Projection::q;  // for kind == linear, bias and head_norm
   Shape shape;         // [out, in] for linear and lm_head; [H] for norms; [V, H] for embedding
 };
 
-// In checkpoint order: embed_tokens, then per layer input_layernorm, q, k, v, o,
-// post_attention_layernorm, gate, up, down, then model.norm and (untied) lm_head.
+// In checkpoint order: embed_tokens, then per layer input_layernorm, q (+ bias), k (+ bias),
+// v (+ bias), o, (q_norm, k_norm), post_attention_layernorm, gate, up, down, then model.norm and
+// (untied) lm_head. The rows in parentheses exist only for the families that have them, so a
+// Llama table (and the seeds its rows draw by index) is what it always was.
 std::vector<ParamSpec> base_parameter_table(const LlamaConfig& config);
 int64_t count_parameters(const std::vector<ParamSpec>& table);
 

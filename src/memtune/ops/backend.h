@@ -29,6 +29,10 @@ namespace memtune {
 struct AttentionDims {
   int64_t batch = 0, seq = 0, n_heads = 0, n_kv_heads = 0, head_dim = 0;
   float scale = 0.0f;  // softmax scale, head_dim^-0.5
+  // Sliding window (Mistral): query i also loses the keys j with i - j >= window, as
+  // transformers' sliding-window mask does; 0: none. Only the CPU backend applies one; the CUDA
+  // kernels take only windows that mask nothing (seq <= window), which the step ensures.
+  int64_t window = 0;
   int64_t tokens() const { return batch * seq; }
   int64_t group() const { return n_heads / n_kv_heads; }  // query heads per kv head (GQA)
 };
@@ -157,6 +161,10 @@ class Backend {
   virtual void convert(const Tensor& dst, const Tensor& src) = 0;
   // dst = a + b (dst may alias a or b).
   virtual void add(const Tensor& dst, const Tensor& a, const Tensor& b) = 0;
+  // dst[i, :] = row for every row of dst [N, C], row [C] converted to dst's dtype. A projection's
+  // bias goes in first and the GEMM adds x W^T onto it (beta 1), so that y = x W^T + b is rounded
+  // once, as F.linear's addmm rounds it.
+  virtual void broadcast_rows(const Tensor& dst, const Tensor& row) = 0;
 
   // ---- GEMM -------------------------------------------------------------------------------
   // c = alpha * op(a) @ op(b) + beta * c, on 2-D views: op(a) is [M, K], op(b) is [K, N], c is

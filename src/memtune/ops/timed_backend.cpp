@@ -210,6 +210,10 @@ void TimedBackend::adamw_step(const Tensor& param, const Tensor& grad, const Ten
                               const Tensor& exp_avg_sq, const AdamWParams& params) {
   timed("adamw_step", [&] { inner_.adamw_step(param, grad, exp_avg, exp_avg_sq, params); });
 }
+void TimedBackend::broadcast_rows(const Tensor& dst, const Tensor& row) {
+  timed("broadcast_rows", [&] { inner_.broadcast_rows(dst, row); });
+}
+
 void TimedBackend::scale(const Tensor& dst, float value) {
   timed("scale", [&] { inner_.scale(dst, value); });
 }

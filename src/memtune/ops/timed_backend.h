@@ -72,6 +72,7 @@ class TimedBackend final : public Backend {
   void fill(const Tensor& dst, float value) override;
   void convert(const Tensor& dst, const Tensor& src) override;
   void add(const Tensor& dst, const Tensor& a, const Tensor& b) override;
+  void broadcast_rows(const Tensor& dst, const Tensor& row) override;
   void matmul(const Tensor& c, const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b,
               float alpha, float beta) override;
   void embedding_forward(const Tensor& out, const Tensor& table, const Tensor& ids) override;

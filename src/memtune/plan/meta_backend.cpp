@@ -22,6 +22,7 @@ class MetaBackend final : public Backend {
   void fill(const Tensor&, float) override {}
   void convert(const Tensor&, const Tensor&) override {}
   void add(const Tensor&, const Tensor&, const Tensor&) override {}
+  void broadcast_rows(const Tensor&, const Tensor&) override {}
   void matmul(const Tensor&, const Tensor&, bool, const Tensor&, bool, float, float) override {}
   void embedding_forward(const Tensor&, const Tensor&, const Tensor&) override {}
   void rmsnorm_forward(const Tensor&, const Tensor&, const Tensor&, const Tensor&, float) override {}

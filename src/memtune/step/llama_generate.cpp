@@ -42,6 +42,11 @@ LlamaGenerator::LlamaGenerator(Backend& backend, Memory& memory, const LlamaConf
   const DType cd = options.compute_dtype;
   const int64_t n = options.max_chunk;
   const MemCategory transient = MemCategory::transient_activations;
+  MT_USER_CHECK(config.sliding_window == 0 || options.capacity <= config.sliding_window,
+                "generate: a KV cache of {} tokens outgrows the model's \"sliding_window\" {}, and "
+                "the generator's attention (prefill and decode) has no sliding-window mask yet; "
+                "generate at most {} tokens in all",
+                options.capacity, config.sliding_window, config.sliding_window);
   inv_freq_ = memory.alloc("rope.inv_freq", MemCategory::workspace, DType::f32, Shape{config.head_dim / 2});
   if (memory.device() != Device::meta) {
     const std::vector<float> inv_freq = rope_inv_freq(config);
@@ -60,6 +65,13 @@ LlamaGenerator::LlamaGenerator(Backend& backend, Memory& memory, const LlamaConf
   normed_ = memory.alloc("generate.normed", transient, cd, Shape{n, config.hidden_size});
   rstd_ = memory.alloc("generate.norm_rstd", transient, DType::f32, Shape{n});
   q_ = memory.alloc("generate.q", transient, cd, Shape{n, config.q_dim()});
+  if (config.has_qk_norm) {
+    // Qwen3: the projections write here, and the per-head norm writes q_ and the cache.
+    q_unnormed_ = memory.alloc("generate.q_unnormed", transient, cd, Shape{n, config.q_dim()});
+    k_unnormed_ = memory.alloc("generate.k_unnormed", transient, cd, Shape{n, config.kv_dim()});
+    head_rstd_ = memory.alloc("generate.head_norm_rstd", transient, DType::f32,
+                              Shape{n * config.num_attention_heads});
+  }
   attn_out_ = memory.alloc("generate.attn_out", transient, cd, Shape{n, config.q_dim()});
   proj_out_ = memory.alloc("generate.proj_out", transient, cd, Shape{n, config.hidden_size});
   gate_ = memory.alloc("generate.gate", transient, cd, Shape{n, config.intermediate_size});
@@ -89,12 +101,21 @@ Tensor LlamaGenerator::frozen_weight(int layer, Projection p) const {
 }
 
 void LlamaGenerator::linear(int layer, Projection p, const Tensor& x, const Tensor& y) {
-  backend_.matmul(y, x, false, frozen_weight(layer, p), true, 1.0f, 0.0f);
+  // A frozen bias (Qwen2) first, and the GEMM adds onto it: one rounding, as the training step.
+  const Tensor& bias = weights_.layers[layer].bias[static_cast<int>(p)];
+  if (!bias.empty()) backend_.broadcast_rows(y, bias);
+  backend_.matmul(y, x, false, frozen_weight(layer, p), true, 1.0f, bias.empty() ? 0.0f : 1.0f);
   const int lora = adapter_ == nullptr ? -1 : adapter_->find(layer, p);
   if (lora < 0) return;
   const Tensor u = lora_u_.slice_rows(0, x.rows());
   backend_.matmul(u, x, false, adapter_->a[lora], true, 1.0f, 0.0f);
   backend_.matmul(y, u, false, adapter_->b[lora], true, lora_scale_, 1.0f);
+}
+
+void LlamaGenerator::head_norm(const Tensor& out, const Tensor& x, const Tensor& weight, int64_t heads) {
+  const int64_t rows = x.rows() * heads, d = config_.head_dim;
+  backend_.rmsnorm_forward(out.view(Shape{rows, d}), head_rstd_.slice_rows(0, rows),
+                           x.view(Shape{rows, d}), weight, static_cast<float>(config_.rms_norm_eps));
 }
 
 void LlamaGenerator::attention(int layer, const Tensor& q, const Tensor& out, int64_t first, int64_t n) {
@@ -150,8 +171,16 @@ std::vector<float> LlamaGenerator::forward(std::span<const int32_t> ids, bool al
     const Tensor k = k_cache_[layer].slice_rows(first, first + n);
     const Tensor v = v_cache_[layer].slice_rows(first, first + n);
     backend_.rmsnorm_forward(h, rstd, x, w.input_norm, eps);
-    linear(layer, Projection::q, h, q);
-    linear(layer, Projection::k, h, k);
+    if (config_.has_qk_norm) {
+      const Tensor q_unnormed = q_unnormed_.slice_rows(0, n), k_unnormed = k_unnormed_.slice_rows(0, n);
+      linear(layer, Projection::q, h, q_unnormed);
+      linear(layer, Projection::k, h, k_unnormed);
+      head_norm(q, q_unnormed, w.q_norm, config_.num_attention_heads);
+      head_norm(k, k_unnormed, w.k_norm, config_.num_key_value_heads);
+    } else {
+      linear(layer, Projection::q, h, q);
+      linear(layer, Projection::k, h, k);
+    }
     linear(layer, Projection::v, h, v);
     backend_.rope_forward(q, positions, inv_freq_, config_.head_dim);
     backend_.rope_forward(k, positions, inv_freq_, config_.head_dim);

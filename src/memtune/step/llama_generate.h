@@ -77,6 +77,8 @@ class LlamaGenerator {
   Tensor frozen_weight(int layer, Projection p) const;
   // y = x W^T (+ LoRA) for the n rows of x.
   void linear(int layer, Projection p, const Tensor& x, const Tensor& y);
+  // out = RMSNorm of each head's head_dim values of x [rows, heads * head_dim] (Qwen3's q/k norm).
+  void head_norm(const Tensor& out, const Tensor& x, const Tensor& weight, int64_t heads);
   void attention(int layer, const Tensor& q, const Tensor& out, int64_t first, int64_t n);
 
   Backend& backend_;
@@ -90,6 +92,8 @@ class LlamaGenerator {
   Tensor inv_freq_, ids_, positions_;
   Tensor residual_, normed_, rstd_, q_, attn_out_, proj_out_, gate_, up_, mlp_act_, lse_;
   Tensor lora_u_;       // f32 [max_chunk, r]
+  // Qwen3 only: the q / k projections' outputs before the per-head norm, and its rstd.
+  Tensor q_unnormed_, k_unnormed_, head_rstd_;
   Tensor dequantized_;  // compute dtype, the largest 4-bit projection (QLoRA base only)
   Tensor logits_;       // f32 [max_chunk or 1, vocab]
 };

@@ -24,6 +24,18 @@ class ActiveChunk {
 
 }  // namespace
 
+bool sliding_window_reached(const LlamaConfig& config, int64_t seq) {
+  return config.sliding_window > 0 && seq > config.sliding_window;
+}
+
+std::string sliding_window_refusal(const LlamaConfig& config, int64_t seq) {
+  return fmt::format("{}: \"sliding_window\" {} is shorter than the run's rows of {} tokens, and the "
+                     "CUDA attention kernels (eager, flash, cuDNN) have no sliding-window mask yet "
+                     "(the CPU backend has one); use --max_seq_length {} or less",
+                     config.name.empty() ? "model" : config.name, config.sliding_window, seq,
+                     config.sliding_window);
+}
+
 LlamaStep::LlamaStep(Backend& backend, Memory& memory, const LlamaConfig& config,
                      const StepOptions& options, const ModelWeights& weights,
                      const LoraState& lora)
@@ -45,6 +57,10 @@ LlamaStep::LlamaStep(Backend& backend, Memory& memory, const LlamaConfig& config
                 "--attn_implementation cudnn: cuDNN attention is not available here (this build "
                 "has no cuDNN frontend, libcudnn is not 9.x, or the GPU is older than sm80); use "
                 "--attn_implementation flash");
+  // A window that no row reaches masks nothing (keys are at most seq - 1 positions back); one
+  // that rows reach is applied by the CPU attention only.
+  MT_USER_CHECK(memory_.device() != Device::cuda || !sliding_window_reached(config, options.seq),
+                "{}", sliding_window_refusal(config, options.seq));
   inv_freq_ = memory_.alloc("rope.inv_freq", MemCategory::workspace, DType::f32,
                             Shape{config.head_dim / 2});
   if (memory_.device() != Device::meta) {
@@ -133,6 +149,7 @@ AttentionDims LlamaStep::attention_dims() const {
   d.n_kv_heads = config_.num_key_value_heads;
   d.head_dim = config_.head_dim;
   d.scale = 1.0f / std::sqrt(static_cast<float>(config_.head_dim));
+  d.window = config_.sliding_window;
   return d;
 }
 
@@ -261,7 +278,11 @@ void LlamaStep::linear_forward(int layer, Projection p, const Tensor& x, int64_t
                                const Tensor& y, Tensor* lora_u, MemCategory u_category,
                                uint64_t dropout_seed, bool training) {
   const Tensor w = frozen_weight(layer, p);
-  backend_.matmul(y, x, false, w, true, 1.0f, 0.0f);
+  // A frozen bias (Qwen2's q/k/v) is part of the base output, before the low-rank term, as in
+  // PEFT where the base layer's F.linear adds it. It goes into y first and the GEMM adds onto it.
+  const Tensor& bias = layer_weights(layer).bias[static_cast<int>(p)];
+  if (!bias.empty()) backend_.broadcast_rows(y, bias);
+  backend_.matmul(y, x, false, w, true, 1.0f, bias.empty() ? 0.0f : 1.0f);
   release_frozen_weight(layer, p, w);
   const LoraTensors* adapter = lora_.find(layer, p);
   if (adapter == nullptr) return;
@@ -321,9 +342,52 @@ void LlamaStep::linear_backward(int layer, Projection p, const Tensor& dy, const
   memory_.free(du);
 }
 
+Act LlamaStep::projection_output(Act id) const {
+  if (!config_.has_qk_norm) return id;
+  return id == Act::q ? Act::q_unnormed : id == Act::k ? Act::k_unnormed : id;
+}
+
+namespace {
+// [tokens, heads * head_dim] seen as one row per (token, head): the rows that Qwen3's q_norm and
+// k_norm normalise, each over its head_dim values.
+Tensor per_head_rows(const Tensor& t, int64_t head_dim) {
+  return t.view(Shape{t.numel() / head_dim, head_dim});
+}
+}  // namespace
+
+void LlamaStep::head_norm_forward(int layer, LayerState& s, MemCategory keep) {
+  auto act = [&](Act id) -> Tensor& { return s.acts[static_cast<int>(id)]; };
+  const LayerWeights& w = layer_weights(layer);
+  const float eps = static_cast<float>(config_.rms_norm_eps);
+  const int64_t d = config_.head_dim;
+  act(Act::q) = alloc_act(Act::q, layer, keep);
+  act(Act::q_norm_rstd) = alloc_act(Act::q_norm_rstd, layer, keep);
+  backend_.rmsnorm_forward(per_head_rows(act(Act::q), d), act(Act::q_norm_rstd),
+                           per_head_rows(act(Act::q_unnormed), d), w.q_norm, eps);
+  act(Act::k) = alloc_act(Act::k, layer, keep);
+  act(Act::k_norm_rstd) = alloc_act(Act::k_norm_rstd, layer, keep);
+  backend_.rmsnorm_forward(per_head_rows(act(Act::k), d), act(Act::k_norm_rstd),
+                           per_head_rows(act(Act::k_unnormed), d), w.k_norm, eps);
+}
+
+void LlamaStep::head_norm_backward(int layer, LayerState& s, const Tensor& dq, const Tensor& dk) {
+  auto act = [&](Act id) -> Tensor& { return s.acts[static_cast<int>(id)]; };
+  const LayerWeights& w = layer_weights(layer);
+  const int64_t d = config_.head_dim;
+  // In place: the backward reads a whole row of dy before it writes that row of dx (both
+  // backends), so dq and dk turn into the grads of the projections' outputs.
+  backend_.rmsnorm_backward(per_head_rows(dq, d), per_head_rows(dq, d),
+                            per_head_rows(act(Act::q_unnormed), d), w.q_norm,
+                            act(Act::q_norm_rstd), false);
+  backend_.rmsnorm_backward(per_head_rows(dk, d), per_head_rows(dk, d),
+                            per_head_rows(act(Act::k_unnormed), d), w.k_norm,
+                            act(Act::k_norm_rstd), false);
+}
+
 void LlamaStep::attention_forward(int layer, LayerState& s, MemCategory keep) {
   auto act = [&](Act id) -> Tensor& { return s.acts[static_cast<int>(id)]; };
   const AttentionDims dims = attention_dims();
+  if (config_.has_qk_norm) head_norm_forward(layer, s, keep);
   backend_.rope_forward(act(Act::q), batch_.positions, inv_freq_, config_.head_dim);
   backend_.rope_forward(act(Act::k), batch_.positions, inv_freq_, config_.head_dim);
 
@@ -379,11 +443,12 @@ Tensor LlamaStep::layer_forward(int layer, LayerState& s, bool recompute, uint64
   act(Act::norm1_rstd) = alloc_act(Act::norm1_rstd, layer, keep);
   backend_.rmsnorm_forward(act(Act::norm1_out), act(Act::norm1_rstd), act(Act::layer_input),
                            w.input_norm, eps);
-  act(Act::q) = alloc_act(Act::q, layer, keep);
-  act(Act::k) = alloc_act(Act::k, layer, keep);
+  const Act q_out = projection_output(Act::q), k_out = projection_output(Act::k);
+  act(q_out) = alloc_act(q_out, layer, keep);
+  act(k_out) = alloc_act(k_out, layer, keep);
   act(Act::v) = alloc_act(Act::v, layer, keep);
-  linear_forward(layer, Projection::q, act(Act::norm1_out), 0, act(Act::q), lora_u(Projection::q), keep, dropout_seed, training);
-  linear_forward(layer, Projection::k, act(Act::norm1_out), 0, act(Act::k), lora_u(Projection::k), keep, dropout_seed, training);
+  linear_forward(layer, Projection::q, act(Act::norm1_out), 0, act(q_out), lora_u(Projection::q), keep, dropout_seed, training);
+  linear_forward(layer, Projection::k, act(Act::norm1_out), 0, act(k_out), lora_u(Projection::k), keep, dropout_seed, training);
   linear_forward(layer, Projection::v, act(Act::norm1_out), 0, act(Act::v), lora_u(Projection::v), keep, dropout_seed, training);
   attention_forward(layer, s, keep);
   act(Act::mid) = alloc_act(Act::mid, layer, keep);
@@ -418,8 +483,9 @@ Tensor LlamaStep::layer_forward_chunked(int layer, LayerState& s, bool recompute
   Tensor out;
   if (!recompute) out = out_slot != nullptr ? *out_slot : alloc_layer_output(layer, training);
 
-  act(Act::q) = alloc_act(Act::q, layer, keep);
-  act(Act::k) = alloc_act(Act::k, layer, keep);
+  const Act q_out = projection_output(Act::q), k_out = projection_output(Act::k);
+  act(q_out) = alloc_act(q_out, layer, keep);
+  act(k_out) = alloc_act(k_out, layer, keep);
   act(Act::v) = alloc_act(Act::v, layer, keep);
   const ActiveChunk in_chunks(active_chunk_rows_, chunk_rows);
   for (int64_t begin = 0; begin < tokens_; begin += chunk_rows) {
@@ -431,7 +497,7 @@ Tensor LlamaStep::layer_forward_chunked(int layer, LayerState& s, bool recompute
     rstd = alloc_act_rows(Act::norm1_rstd, layer, transient, end - begin, begin);
     backend_.rmsnorm_forward(normed, rstd, x.slice_rows(begin, end), w.input_norm, eps);
     for (Projection p : {Projection::q, Projection::k, Projection::v}) {
-      const Act out_id = p == Projection::q ? Act::q : p == Projection::k ? Act::k : Act::v;
+      const Act out_id = p == Projection::q ? q_out : p == Projection::k ? k_out : Act::v;
       linear_forward(layer, p, normed, begin, act(out_id).slice_rows(begin, end), nullptr,
                      transient, dropout_seed, training);
     }
@@ -570,6 +636,7 @@ void LlamaStep::layer_backward(int layer, LayerState& s, const Tensor& d_resid, 
   memory_.free(d_attn);
   backend_.rope_backward(dq, batch_.positions, inv_freq_, config_.head_dim);
   backend_.rope_backward(dk, batch_.positions, inv_freq_, config_.head_dim);
+  if (config_.has_qk_norm) head_norm_backward(layer, s, dq, dk);
   Tensor d_norm1 = alloc_tokens(prefix + "d_norm1", transient, cd, act(Act::norm1_out).shape);
   linear_backward(layer, Projection::q, dq, act(Act::norm1_out), 0, lora_u(Projection::q), d_norm1, false, seed);
   linear_backward(layer, Projection::k, dk, act(Act::norm1_out), 0, lora_u(Projection::k), d_norm1, true, seed);
@@ -627,6 +694,7 @@ void LlamaStep::layer_backward_chunked(int layer, LayerState& s, const Tensor& d
   memory_.free(d_attn);
   backend_.rope_backward(dq, batch_.positions, inv_freq_, config_.head_dim);
   backend_.rope_backward(dk, batch_.positions, inv_freq_, config_.head_dim);
+  if (config_.has_qk_norm) head_norm_backward(layer, s, dq, dk);
 
   // Per chunk: recompute norm1 and the q/k/v LoRA inputs, back-propagate the projections into
   // d_norm1's rows and norm1 into d_resid's (which then holds the grad of the layer input).

@@ -5,6 +5,12 @@
 //   mid = x + a W_o^T (+ LoRA)
 //   h2 = rmsnorm(mid, w_post); g, u = h2 W^T (+ LoRA); s = silu(g) * u
 //   out = mid + s W_down^T (+ LoRA)
+// The other families are this layer with additions (model/llama_config.h):
+//   Qwen2: q, k, v = h1 W^T + b (+ LoRA): the frozen bias is the base output's, as in PEFT; it
+//          has no grad, so the backward is unchanged.
+//   Qwen3: q = q_norm(q_unnormed), k = k_norm(k_unnormed), an RMSNorm over each head's head_dim
+//          values, before RoPE; its backward is rmsnorm's below, per (token, head) row.
+//   head_dim may differ from hidden / heads: q and the attention output are [N, heads * head_dim].
 // LoRA on a projection with input x: y += scale * (drop(x) A^T) B^T, saving u = drop(x) A^T.
 // Chain rule for y = x W^T + scale * u B^T, u = drop(x) A^T, given dy:
 //   dB += scale * dy^T u;   du = scale * dy B;   dA += du^T drop(x);   dx = dy W + drop'(du A)
@@ -51,6 +57,7 @@
 #pragma once
 
 #include <array>
+#include <string>
 #include <functional>
 #include <vector>
 
@@ -99,6 +106,11 @@ struct MicroBatchBuffers {
   // the step's tokens; empty (no slots) unless set_packed_segments made one for this batch.
   RaggedAttention ragged;
 };
+
+// Whether rows of `seq` tokens reach the model's sliding window (Mistral), so that the window
+// masks keys; and the refusal for a device whose attention has no window mask (CUDA).
+bool sliding_window_reached(const LlamaConfig& config, int64_t seq);
+std::string sliding_window_refusal(const LlamaConfig& config, int64_t seq);
 
 class LlamaStep {
  public:
@@ -191,6 +203,14 @@ class LlamaStep {
   // RoPE on state's q and k, then the attention op into attn_out (and its probs or lse), kept
   // in `keep`: the part of a layer that spans the sequence, chunked or not.
   void attention_forward(int layer, LayerState& state, MemCategory keep);
+  // Where the q / k projections write: Act::q / Act::k, or with Qwen3's per-head norm the
+  // unnormed buffers that the norm then reads into Act::q / Act::k.
+  Act projection_output(Act id) const;
+  // Qwen3: q = q_norm(q_unnormed), k = k_norm(k_unnormed) per head, with their rstd, kept in
+  // `keep`; and the backward of that, in place on dq and dk (grads of the normed q and k before
+  // RoPE, on return those of the projections' outputs).
+  void head_norm_forward(int layer, LayerState& state, MemCategory keep);
+  void head_norm_backward(int layer, LayerState& state, const Tensor& dq, const Tensor& dk);
   void layer_backward(int layer, LayerState& state, const Tensor& d_resid, uint64_t dropout_seed);
   void layer_backward_chunked(int layer, LayerState& state, const Tensor& d_resid,
                               uint64_t dropout_seed, int64_t chunk_rows);

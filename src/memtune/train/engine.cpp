@@ -427,6 +427,9 @@ std::pair<double, int64_t> Engine::eval_loss_sum(const HostMicroBatch& batch) {
 
 Plan plan_run(const RunConfig& run, const LlamaConfig& model, Device target, int world_size) {
   const auto start = std::chrono::steady_clock::now();
+  // Refused here too, so that a CUDA run is refused by its plan, before anything is allocated.
+  MT_USER_CHECK(target != Device::cuda || !sliding_window_reached(model, run.max_seq_length), "{}",
+                sliding_window_refusal(model, run.max_seq_length));
   std::unique_ptr<Backend> meta = make_meta_backend(backend_workspace_bytes(target));
   const std::unique_ptr<Communicator> comm = world_size > 1 ? make_meta_communicator(0, world_size) : nullptr;
   Engine engine(*meta, nullptr, 0, run, model, comm.get());

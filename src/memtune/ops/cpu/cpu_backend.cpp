@@ -179,6 +179,17 @@ void CpuBackend::add(const Tensor& dst, const Tensor& a, const Tensor& b) {
   });
 }
 
+void CpuBackend::broadcast_rows(const Tensor& dst, const Tensor& row) {
+  cpu::check_float_tensor(dst, "broadcast_rows dst");
+  cpu::check_float_tensor(row, "broadcast_rows row");
+  MT_ASSERT(row.numel() == dst.cols(), "broadcast_rows {} from {}",
+            dst.shape.str(), row.shape.str());
+  const int64_t cols = dst.cols();
+  std::vector<float> values(static_cast<size_t>(cols));
+  cpu::load_f32(row, 0, cols, values.data());
+  for (int64_t r = 0; r < dst.rows(); ++r) cpu::store_f32(dst, r * cols, cols, values.data());
+}
+
 void CpuBackend::scale(const Tensor& dst, float value) {
   cpu::check_float_tensor(dst, "scale dst");
   for_each_chunk(dst.numel(), 1, [&](int64_t offset, int64_t count, float* buffer) {

@@ -32,6 +32,7 @@ class CpuBackend final : public Backend {
   void fill(const Tensor& dst, float value) override;
   void convert(const Tensor& dst, const Tensor& src) override;
   void add(const Tensor& dst, const Tensor& a, const Tensor& b) override;
+  void broadcast_rows(const Tensor& dst, const Tensor& row) override;
 
   void matmul(const Tensor& c, const Tensor& a, bool transpose_a, const Tensor& b,
               bool transpose_b, float alpha, float beta) override;
@@ -128,6 +129,7 @@ struct AttentionView {
   // Query position i of batch row b sees key position j.
   bool visible(int64_t b, int64_t i, int64_t j) const {
     if (j > i) return false;
+    if (dims.window > 0 && i - j >= dims.window) return false;
     if (segments == nullptr) return true;
     const int32_t* row = segments + b * dims.seq;
     return row[i] == row[j];

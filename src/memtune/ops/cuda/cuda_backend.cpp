@@ -32,6 +32,9 @@ void check_same_count(const Tensor& t, const Tensor& like, const char* what) {
 cuda::AttentionParams attention_params(const AttentionDims& dims, const Tensor& q,
                                        const Tensor& k, const Tensor& v, const Tensor& segments) {
   check_attention_inputs(dims, q, k, v, check_float_tensor);
+  // The kernels have no sliding-window mask; the step refuses a window that rows reach.
+  MT_ASSERT(dims.window == 0 || dims.seq <= dims.window,
+            "CUDA attention over rows of {} under a sliding window of {}", dims.seq, dims.window);
   const int64_t n = dims.tokens();
   cuda::AttentionParams p;
   p.batch = dims.batch;
@@ -250,6 +253,16 @@ void CudaBackend::add(const Tensor& dst, const Tensor& a, const Tensor& b) {
   check_same_count(dst, a, "add");
   check_same_count(dst, b, "add");
   cuda::launch_add(dst.data, dst.dtype, a.data, a.dtype, b.data, b.dtype, dst.numel(), stream_);
+}
+
+void CudaBackend::broadcast_rows(const Tensor& dst, const Tensor& row) {
+  check_float_tensor(dst, "broadcast_rows dst");
+  check_float_tensor(row, "broadcast_rows row");
+  MT_ASSERT(row.numel() == dst.cols(), "broadcast_rows {} from {}",
+            dst.shape.str(), row.shape.str());
+  // A 2-D copy whose source rows all start at the row itself (leading dimension 0).
+  cuda::launch_copy_2d(dst.data, dst.dtype, dst.cols(), row.data, row.dtype, 0, dst.rows(),
+                       dst.cols(), stream_);
 }
 
 void CudaBackend::scale(const Tensor& dst, float value) {

@@ -57,6 +57,7 @@ class CudaBackend final : public Backend {
   void fill(const Tensor& dst, float value) override;
   void convert(const Tensor& dst, const Tensor& src) override;
   void add(const Tensor& dst, const Tensor& a, const Tensor& b) override;
+  void broadcast_rows(const Tensor& dst, const Tensor& row) override;
 
   void matmul(const Tensor& c, const Tensor& a, bool transpose_a, const Tensor& b,
               bool transpose_b, float alpha, float beta) override;
