@@ -1,17 +1,15 @@
 // libFuzzer entry point for the training data reader (read_dataset: JSONL of text,
 // prompt/completion, messages or input_ids/labels lines; fuzz/README.md).
 //
-// The reader takes a path, so each input is written to one file per process first. The
-// property: the file is either refused with memtune::Error, or gives samples whose ids lie in
-// the model's vocabulary, whose labels are as long as the ids (each an id or -100) and no
+// The input goes through the stream overload of the reader (the file overload only opens the
+// file and hands its stream over), so nothing touches the disk. The property: the file is
+// either refused with memtune::Error, or gives samples whose ids lie in the model's vocabulary, whose labels are as long as the ids (each an id or -100) and no
 // longer than max_seq_length, with at least one trained target each. The first byte picks the
 // options (bad-line policy, loss masking), so both paths are explored. Anything else is a bug.
-#include <unistd.h>
-
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
-#include <fstream>
+#include <sstream>
 #include <string>
 
 #include "memtune/core/error.h"
@@ -23,11 +21,6 @@ namespace {
 constexpr int64_t kVocab = 300;  // the byte tokenizer's ids fit; larger input_ids are refused
 constexpr int64_t kMaxSeq = 64;
 
-const std::string& input_path() {
-  static const std::string path = "/tmp/memtune_fuzz_dataset." + std::to_string(::getpid()) + ".jsonl";
-  return path;
-}
-
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
@@ -38,12 +31,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   options.completion_only_loss = (data[0] & 2) != 0;
   options.assistant_only_loss = (data[0] & 4) != 0;
   options.max_seq_length = kMaxSeq;
-  {
-    std::ofstream out(input_path(), std::ios::binary | std::ios::trunc);
-    out.write(reinterpret_cast<const char*>(data + 1), static_cast<std::streamsize>(size - 1));
-  }
+  std::istringstream input(std::string(reinterpret_cast<const char*>(data + 1), size - 1));
   try {
-    const memtune::Dataset dataset = memtune::read_dataset(input_path(), tokenizer, kVocab, options);
+    const memtune::Dataset dataset = memtune::read_dataset(input, "fuzz.jsonl", tokenizer, kVocab, options);
     for (const memtune::Sample& sample : dataset.samples) {
       if (sample.input_ids.size() != sample.labels.size() || static_cast<int64_t>(sample.input_ids.size()) > kMaxSeq)
         std::abort();

@@ -110,6 +110,11 @@ TEST(FamilyConfig, RefusesWhatItDoesNotImplementNamingTheKey) {
                   }),
                   "\"layer_types\"[1]");
   EXPECT_CONTAINS(error_of([] { parse_with("llama", {{"sliding_window", 16}}); }), "\"sliding_window\"");
+  // A rope type that is not a string (found by fuzz_model_config) is a refusal, not an abort.
+  EXPECT_CONTAINS(error_of([] { parse_with("llama", {{"rope_scaling", {{"rope_type", 5}}}}); }),
+                  "rope_scaling \"rope_type\" must be a string");
+  EXPECT_CONTAINS(error_of([] { parse_with("qwen3", {{"rope_parameters", {{"type", {1}}}}}); }),
+                  "rope_scaling \"type\" must be a string");
   // Qwen2's config has no bias switch: attention_bias is not read, its q/k/v biases always are.
   EXPECT_TRUE(parse_with("qwen2", {{"attention_bias", false}}).has_qkv_bias);
   // A window shorter than the run's rows: the CPU attention masks it, the CUDA kernels have no

@@ -192,6 +192,11 @@ Dataset read_dataset(const std::filesystem::path& path, const Tokenizer& tokeniz
     const int open_errno = errno;
     mt_fail("cannot open dataset {}: {}", path.string(), std::strerror(open_errno));
   }
+  return read_dataset(in, path.string(), tokenizer, vocab_size, options);
+}
+
+Dataset read_dataset(std::istream& in, const std::string& name, const Tokenizer& tokenizer, int64_t vocab_size,
+                     const DatasetOptions& options) {
   check_tokenizer_fits_model(tokenizer, vocab_size);
   const int32_t eos_id = options.eos_id.value_or(tokenizer.eos_id());
   Dataset dataset;
@@ -204,7 +209,7 @@ Dataset read_dataset(const std::filesystem::path& path, const Tokenizer& tokeniz
     ++line_number;
     if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
     ++stats.lines;
-    const std::string where = fmt::format("{}:{}", path.string(), line_number);
+    const std::string where = fmt::format("{}:{}", name, line_number);
     try {
       if (const auto bad = unicode::find_invalid_utf8(line))
         mt_fail("{}: invalid UTF-8 (byte 0x{:02X} at offset {} of the line); JSON text must be UTF-8, "
@@ -259,16 +264,16 @@ Dataset read_dataset(const std::filesystem::path& path, const Tokenizer& tokeniz
   }
   if (in.bad()) {
     const int read_errno = errno;
-    mt_fail("reading dataset {} failed: {}", path.string(), std::strerror(read_errno));
+    mt_fail("reading dataset {} failed: {}", name, std::strerror(read_errno));
   }
   dataset.format = format.value_or(DatasetFormat::token_ids);
   if (dataset.samples.empty()) {
     MT_USER_CHECK(stats.skipped_fully_masked == 0,
                   "every sample of {} ({}) has all its labels masked (-100){}: nothing to train on",
-                  path.string(), stats.skipped_fully_masked,
+                  name, stats.skipped_fully_masked,
                   options.max_seq_length > 0 ? fmt::format(" after truncation to max_seq_length {}", options.max_seq_length)
                                              : std::string());
-    mt_fail("dataset {} holds no samples ({} lines, {} skipped as malformed{}{})", path.string(), stats.lines,
+    mt_fail("dataset {} holds no samples ({} lines, {} skipped as malformed{}{})", name, stats.lines,
             stats.skipped_bad_lines, stats.skipped_bad_lines > 0 ? "; first: " : "", stats.first_skipped_line);
   }
   return dataset;

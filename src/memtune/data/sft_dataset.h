@@ -39,6 +39,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <istream>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -63,6 +64,9 @@ struct DatasetOptions {
 // line whose form differs from the file's; no samples left; every sample fully masked; a
 // tokenizer with more ids than the model's vocabulary.
 Dataset read_dataset(const std::filesystem::path& path, const Tokenizer& tokenizer,
+                     int64_t vocab_size, const DatasetOptions& options);
+// The same from a stream; `name` stands for the file in messages ("name:line").
+Dataset read_dataset(std::istream& in, const std::string& name, const Tokenizer& tokenizer,
                      int64_t vocab_size, const DatasetOptions& options);
 
 // The samples of each form, as read_dataset builds them (before truncation).

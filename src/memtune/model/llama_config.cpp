@@ -187,9 +187,15 @@ LlamaConfig LlamaConfig::from_json(const json& j, const std::string& source) {
   if (rope_object != nullptr) {
     const json& rs = *rope_object;
     MT_USER_CHECK(rs.is_object(), "{}: rope_scaling must be an object or null", source);
-    std::string type = rs.contains("rope_type") ? rs["rope_type"].get<std::string>()
-                       : rs.contains("type")    ? rs["type"].get<std::string>()
-                                                : "";
+    std::string type;
+    for (const char* key : {"rope_type", "type"}) {
+      auto it = rs.find(key);
+      if (it == rs.end() || it->is_null()) continue;
+      MT_USER_CHECK(it->is_string(), "{}: rope_scaling \"{}\" must be a string, got {}", source,
+                    key, it->dump());
+      type = it->get<std::string>();
+      break;
+    }
     const std::string ctx = source + " rope_scaling";
     if (type == "default" || type.empty()) {
       // no scaling
