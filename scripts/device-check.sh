@@ -36,6 +36,11 @@
 #       peer-context  bench/peer_hf.py --max-context (QLoRA rung at batch 1) under each cap of CONTEXT_CAPS
 #       configs    memtune on issue 21's configurations 1-3 (CONFIGS: a comma list of the variants in
 #                  the part's comment; CONFIG_STEPS 6, CONFIG_TIMEOUT 150 s a run)
+#       fuzz       scripts/fuzz-long.sh on the host's cores, in the background beside the other parts
+#                  (run it with the correctness parts, not beside timings): the fuzz binaries in
+#                  FUZZ_BIN (default BIN_DIR/fuzz; prepare-devbin.sh with DEVBIN_FUZZ=1 puts them
+#                  there, stripped), FUZZ_RUNS (10M) executions a target, FUZZ_JOBS processes a
+#                  target (default: cores less 2, over the five targets), FUZZ_TIMEOUT (420 s)
 #       edge       the --vram verdict at its edge: `memtune fit --max-context --vram EDGE_VRAM` (24GiB),
 #                  then `memtune train` at the longest length it found with offload, for EDGE_STEPS (2)
 #                  steps under the same --vram; nvidia-smi's maximum against the budget
@@ -76,6 +81,18 @@ cat "$WORK/device.txt"
 # The commit the binaries were built from (scripts/prepare-devbin.sh writes it beside them).
 if [ -f "$BIN_DIR/COMMIT" ]; then export MEMTUNE_COMMIT=$(cat "$BIN_DIR/COMMIT"); fi
 echo "${MEMTUNE_COMMIT:-unknown}" > "$WORK/commit.txt"; echo "binaries from commit ${MEMTUNE_COMMIT:-unknown}"
+
+# fuzz: started first, waited for last; it uses the host's cores, the other parts the GPU.
+FUZZ_PID=
+if has_part fuzz; then
+  stamp fuzz
+  FUZZ_BIN=${FUZZ_BIN:-$BIN_DIR/fuzz}
+  for f in "$FUZZ_BIN"/*.gz; do [ -f "$f" ] && gunzip -f "$f"; done
+  chmod +x "$FUZZ_BIN"/fuzz_* 2>/dev/null
+  FUZZ_JOBS=${FUZZ_JOBS:-$(( ($(nproc) - 2) / 5 > 0 ? ($(nproc) - 2) / 5 : 1 ))} FUZZ_TIMEOUT=${FUZZ_TIMEOUT:-420} \
+    bash "$ROOT/scripts/fuzz-long.sh" "$FUZZ_BIN" "$WORK/fuzz" > "$WORK/fuzz.log" 2>&1 &
+  FUZZ_PID=$!
+fi
 
 # The ladder's shape, shared with the peer so that both run the same configuration.
 MODEL_ARGS="--model llama-3.1-8b --batch 2 --accum ${LADDER_ACCUM:-2} --seq 2048 --lora_r 16 --lora_alpha 16 --lora_target_modules all-linear"
@@ -279,6 +296,24 @@ if has_part longctx; then
   rm -rf "$L/out"
 fi
 
+# One timed `memtune train` on the 8B architecture: timed_train DIR NAME TIMEOUT ARGS...; nvidia-smi
+# sampled every 100 ms into DIR/NAME.smi, --metrics into DIR/NAME.jsonl, the log in DIR/NAME.log;
+# prints tokens/s and the device peak (bench/data_modes.py over the steps after the first two).
+timed_train() {
+  local dir=$1 name=$2 limit=$3; shift 3
+  nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 100 > "$dir/$name.smi" 2>&1 &
+  local sampler=$!
+  timeout "$limit" "$BIN_DIR/memtune" train --device cuda --model llama-3.1-8b "$@" --quiet \
+    --metrics "$dir/$name.jsonl" --out "$dir/out" > "$dir/$name.log" 2>&1
+  local rc=$?
+  kill $sampler 2>/dev/null; wait $sampler 2>/dev/null
+  echo "memtune $name exit $rc: $(python3 "$ROOT/bench/data_modes.py" "$dir/$name.jsonl" "$dir/$name.smi" 2>&1)"
+  grep -h "device memory in use\|flash kernel for these packed rows" "$dir/$name.log" | head -3
+  [ $rc -ne 0 ] && { status=1; tail -5 "$dir/$name.log"; }
+  rm -rf "$dir/out"
+  return 0
+}
+
 # memtune on issue 21's configurations, one `memtune train` each (tokens/s and device peak as in
 # memtune_peer_data: bench/data_modes.py over the steps after the first two, nvidia-smi sampled):
 #   qlora, qlora-offload   configuration 1: the QLoRA full stack (ckpt, fused attention, chunked
@@ -303,16 +338,8 @@ if has_part configs; then
                  "data-unpacked|$QLORA $SHAPE2" "data-packed|$QLORA $SHAPE2 --packing"; do
     name=${variant%%|*}; args=${variant#*|}
     case ",${CONFIGS:-qlora,qlora-offload,lora16,lora16-offload,data-unpacked,data-packed}," in *",$name,"*) ;; *) continue;; esac
-    nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 100 > "$C/$name.smi" 2>&1 &
-    sampler=$!
-    timeout "${CONFIG_TIMEOUT:-150}" "$BIN_DIR/memtune" train --device cuda --model llama-3.1-8b $args \
-      --max_steps "${CONFIG_STEPS:-6}" --quiet --metrics "$C/$name.jsonl" --out "$C/out" > "$C/$name.log" 2>&1
-    rc=$?
-    kill $sampler 2>/dev/null; wait $sampler 2>/dev/null
-    echo "memtune $name exit $rc: $(python3 "$ROOT/bench/data_modes.py" "$C/$name.jsonl" "$C/$name.smi" 2>&1)"
-    grep -h "device memory in use" "$C/$name.log"
-    [ $rc -ne 0 ] && { status=1; tail -5 "$C/$name.log"; }
-    rm -rf "$C/out"
+    # shellcheck disable=SC2086
+    timed_train "$C" "$name" "${CONFIG_TIMEOUT:-150}" $args --max_steps "${CONFIG_STEPS:-6}"
   done
   rm -f "$cdata"
 fi
@@ -425,18 +452,12 @@ memtune_peer_data() {
                  "memtune-unpacked|--data $data" "memtune-grouped|--data $data --group_by_length" \
                  "memtune-padding_free|--data $data --padding_free" "memtune-packed|--data $data --packing"; do
     name=${variant%%|*}; args=${variant#*|}
-    nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 100 > "$D/$name.smi" 2>&1 &
-    local sampler=$!
-    timeout "${DATA_TIMEOUT:-240}" "$BIN_DIR/memtune" train --device cuda --model llama-3.1-8b \
-      --load_in_4bit --bf16 --gradient_checkpointing --attn_implementation auto --loss_implementation chunked \
-      --offload_embeddings --batch 2 --accum 2 --seq 2048 --lora_r 16 --lora_alpha 16 \
-      --max_steps "${DATA_STEPS:-6}" --quiet --tokenizer "$TOKENIZER" $args --metrics "$D/$name.jsonl" \
-      --out "$D/out" > "$D/$name.log" 2>&1
-    local rc=$?
-    kill $sampler 2>/dev/null; wait $sampler 2>/dev/null
-    echo "$name exit $rc: $(python3 "$ROOT/bench/data_modes.py" "$D/$name.jsonl" "$D/$name.smi" 2>&1)"
-    [ $rc -ne 0 ] && { status=1; tail -5 "$D/$name.log"; }
-    rm -rf "$D/out"
+    # DATA_MODES: a comma list of the modes to run (default all: synthetic,max_length,unpacked,...)
+    [ -n "${DATA_MODES:-}" ] && case ",$DATA_MODES," in *",${name#memtune-},"*) ;; *) continue;; esac
+    # shellcheck disable=SC2086
+    timed_train "$D" "$name" "${DATA_TIMEOUT:-240}" --load_in_4bit --bf16 --gradient_checkpointing \
+      --attn_implementation auto --loss_implementation chunked --offload_embeddings --batch 2 --accum 2 --seq 2048 \
+      --lora_r 16 --lora_alpha 16 --max_steps "${DATA_STEPS:-6}" --tokenizer "$TOKENIZER" $args
   done
   rm -f "$data"
 }
@@ -485,6 +506,12 @@ if [ -f "$WORK/ladder/ladder.json" ]; then
     "$BIN_DIR/memtune" report --ladder "$WORK/ladder/ladder.json" "${peers[@]}" --out "$WORK/ladder-peers" \
       > "$WORK/report-peers.log" 2>&1 && tail -c 4000 "$WORK/report-peers.log"
   fi
+fi
+
+if [ -n "$FUZZ_PID" ]; then
+  wait "$FUZZ_PID" || status=1
+  stamp "fuzz finished"; cat "$WORK/fuzz.log"
+  rm -rf "$WORK"/fuzz/corpus-*   # the grown corpora are large; the logs and any crash input stay
 fi
 
 stamp done

@@ -30,5 +30,14 @@ if [ "${DEVBIN_SLIM:-0}" != 1 ]; then
   TOKENIZER_JSON=${TOKENIZER_JSON:-../shared/data/llama3-tokenizer/tokenizer.json}
   [ -f "$TOKENIZER_JSON" ] && cp "$TOKENIZER_JSON" .devbin/
 fi
+# DEVBIN_FUZZ=1: the libFuzzer targets (scripts/fuzz.sh builds them into build-fuzz/), stripped of
+# their debug info and gzipped (~1.4 MB each), for device-check's fuzz part on the device's cores.
+if [ "${DEVBIN_FUZZ:-0}" = 1 ]; then
+  FUZZ_SECONDS=1 bash scripts/fuzz.sh > build/fuzz-build.log 2>&1 || { tail -20 build/fuzz-build.log; exit 1; }
+  mkdir -p .devbin/fuzz
+  for t in build-fuzz/fuzz_*; do
+    [ -x "$t" ] && [ -f "$t" ] && strip -g -o ".devbin/fuzz/$(basename "$t")" "$t" && gzip -9 -f ".devbin/fuzz/$(basename "$t")"
+  done
+fi
 git describe --always --dirty > .devbin/COMMIT
 du -sh .devbin; cat .devbin/COMMIT

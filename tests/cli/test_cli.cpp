@@ -477,6 +477,27 @@ std::string sft_text_file(const fs::path& dir) {
                                           R"({"text": "seven"})", R"({"text": "eight lines"})"});
 }
 
+// Short samples without --packing: the run says, once, what --packing would give; with it, or
+// with samples near max_seq_length, it says nothing.
+TEST(CliTrain, ShortSamplesWithoutPackingGetANoteAboutPacking) {
+  const fs::path dir = scratch_dir("train_packing_hint");
+  const std::string chat = write_lines(
+      dir / "chat.jsonl",
+      {R"({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]})",
+       R"({"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]})"});
+  const std::string note = "--packing would put about";
+  const Result unpacked = run_memtune("train --device cpu --seq 1024 --batch 2 --max_steps 1 --quiet --data " + chat);
+  ASSERT_EQ(unpacked.exit_code, 0) << unpacked.output;
+  EXPECT_NE(unpacked.output.find("memtune: note: the samples average"), std::string::npos) << unpacked.output;
+  EXPECT_NE(unpacked.output.find(note), std::string::npos) << unpacked.output;
+  const Result packed = run_memtune("train --device cpu --seq 1024 --batch 2 --max_steps 1 --quiet --packing --data " + chat);
+  ASSERT_EQ(packed.exit_code, 0) << packed.output;
+  EXPECT_EQ(packed.output.find(note), std::string::npos) << packed.output;
+  const Result long_enough = run_memtune("train --device cpu --seq 32 --batch 2 --max_steps 1 --quiet --data " + chat);
+  ASSERT_EQ(long_enough.exit_code, 0) << long_enough.output;
+  EXPECT_EQ(long_enough.output.find(note), std::string::npos) << long_enough.output;
+}
+
 TEST(CliTrain, EachSftFormTrainsPackedWithAnEvalSplitAndReportsItsData) {
   const fs::path dir = scratch_dir("train_sft_forms");
   const std::string text = sft_text_file(dir);

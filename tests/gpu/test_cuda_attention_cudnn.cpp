@@ -163,6 +163,7 @@ TEST_F(CudnnAttentionTest, WholeStepMatchesFlash) {
     RunConfig r = run;
     r.attn_implementation = attention;
     r.gradient_checkpointing = checkpointing;
+    r.packed_rows = true;  // as train --packing sets it
     PlannedEngine engine(gpu(), r, model);
     engine->init_random_weights(7);
     engine->init_adapters(11);
@@ -422,7 +423,9 @@ class CudnnRaggedTest : public CudnnAttentionTest {
   }
 
   // The op on the GPU, every tensor with a tail (inputs: NaN with nan_inputs, else zero; outputs:
-  // NaN, checked untouched). fwd_floats / bwd_floats: the workspaces (default: the planned bound).
+  // NaN, checked untouched). fwd_floats / bwd_floats: the workspaces (default: the bound a packed
+  // run plans, or what this table's graphs ask for where that is more: these tiny rows round
+  // slots x max_len up to several times their tokens, which WorkspaceFitsThePlannedBound covers).
   Results gpu_ragged(const AttentionDims& d, const std::vector<int32_t>& ids, const Inputs& in,
                      const DeviceTable& table, bool nan_inputs, int64_t fwd_floats = -1,
                      int64_t bwd_floats = -1) {
@@ -434,8 +437,14 @@ class CudnnRaggedTest : public CudnnAttentionTest {
     Padded out = padded(type, n, qw, nullptr, true), lse = padded(DType::f32, rows, 1, nullptr, true);
     Padded dq = padded(type, n, qw, nullptr, true), dk = padded(type, n, kw, nullptr, true);
     Padded dv = padded(type, n, kw, nullptr, true);
-    DeviceTensor fwd_ws = poisoned(DType::f32, Shape{fwd_floats >= 0 ? fwd_floats : cudnn_attention_workspace_floats(d, false)});
-    DeviceTensor bwd_ws = poisoned(DType::f32, Shape{bwd_floats >= 0 ? bwd_floats : cudnn_attention_workspace_floats(d, true)});
+    auto room = [&](bool backward) {
+      const size_t asked = cuda().cudnn_attention_workspace_bytes(d, type, backward, &table.ragged);
+      const int64_t planned = cudnn_attention_workspace_floats(d, backward, /*packed_rows=*/true);
+      if (asked == cuda::kCudnnUnsupported) return planned;
+      return std::max<int64_t>(planned, static_cast<int64_t>((asked + 3) / 4));
+    };
+    DeviceTensor fwd_ws = poisoned(DType::f32, Shape{fwd_floats >= 0 ? fwd_floats : room(false)});
+    DeviceTensor bwd_ws = poisoned(DType::f32, Shape{bwd_floats >= 0 ? bwd_floats : room(true)});
     DeviceTensor delta = poisoned(DType::f32, Shape{rows});
     const DeviceTensor seg = upload(segments_tensor(ids));
     Tensor lse_view = lse.view;
@@ -601,7 +610,7 @@ TEST_F(CudnnRaggedTest, WorkspaceFitsThePlannedBoundAndGraphBuildTimes) {
       const size_t need = cuda().cudnn_attention_workspace_bytes(dims, DType::bf16, backward, &r);
       const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
       const cuda::CudnnStats after = op().stats();
-      const size_t bound = 4 * static_cast<size_t>(cudnn_attention_workspace_floats(dims, backward));
+      const size_t bound = 4 * static_cast<size_t>(cudnn_attention_workspace_floats(dims, backward, /*packed_rows=*/true));
       const std::string what = label(c.shape, DType::bf16) + " slots " + std::to_string(c.slots) +
                                " max_len " + std::to_string(c.max_len);
       if (need == cuda::kCudnnUnsupported) {
@@ -741,7 +750,7 @@ TEST_F(CudnnRaggedTest, TimingPrintPackedVsUnpacked) {
     DeviceTensor dq(gpu(), DType::bf16, in.q.shape), dk(gpu(), DType::bf16, in.k.shape), dv(gpu(), DType::bf16, in.k.shape);
     DeviceTensor delta(gpu(), DType::f32, Shape{n * pd.n_heads}), dq_accum(gpu(), DType::f32, in.q.shape);
     DeviceTensor fwd_ws(gpu(), DType::f32, Shape{cudnn_attention_workspace_floats(pd, false)});
-    DeviceTensor bwd_ws(gpu(), DType::f32, Shape{cudnn_attention_workspace_floats(pd, true)});
+    DeviceTensor bwd_ws(gpu(), DType::f32, Shape{cudnn_attention_workspace_floats(pd, true, /*packed_rows=*/true)});
     const DeviceTensor seg = upload(segments_tensor(ids));
     const DeviceTable table = upload_table(ids, pd);
     const Tensor none;

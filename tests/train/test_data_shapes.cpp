@@ -154,7 +154,9 @@ TEST(DataShapes, ShapedAndPaddingFreeStepsEqualThePaddedStep) {
       TrainerOptions shaped;
       shaped.pad_to_multiple_of = padding_free ? 8 : 4;
       shaped.padding_free = padding_free;
-      PlannedEngine engine(*cpu, run, model);
+      RunConfig shaped_run = run;
+      shaped_run.packed_rows = padding_free;  // as train --padding_free sets it
+      PlannedEngine engine(*cpu, shaped_run, model);
       init_with_nonzero_b(engine.engine());
       const std::vector<HostMicroBatch> batches = first_step(engine.engine(), data, shaped);
       const StepReport got = engine->train_step(batches);
@@ -166,7 +168,7 @@ TEST(DataShapes, ShapedAndPaddingFreeStepsEqualThePaddedStep) {
       EXPECT_EQ(want.tokens, 2 * 3 * 40);
       // What the plan ran, at these shapes (one micro-batch's step, then an eval pass): every
       // buffer is a planned one, and the peak is at most the plan's.
-      PlannedEngine fresh(*cpu, run, model);
+      PlannedEngine fresh(*cpu, shaped_run, model);
       init_with_nonzero_b(fresh.engine());
       fresh->train_step({batches[0]});
       fresh->eval_loss_sum(batches[1]);
@@ -174,6 +176,35 @@ TEST(DataShapes, ShapedAndPaddingFreeStepsEqualThePaddedStep) {
       EXPECT_LE(fresh->memory().allocator().high_water(), fresh.plan().arena_bytes);
     }
   }
+}
+
+// Rows of several samples (--packing, --padding_free) give cuDNN's ragged backward its room in
+// the plan: kRaggedSlotRoom x tokens x heads x head_dim floats more in each layer's backward
+// workspace, and nothing else changes; an unpacked run, or one on the flash kernel, pays nothing.
+TEST(DataShapes, PackedRowsPlanRoomForCudnnsRaggedBackwardOnly) {
+  const LlamaConfig model = small_model();
+  auto workspace_bytes = [&](const char* attention, bool packed_rows) {
+    RunConfig run = run_for(kCases[5]);
+    run.attn_implementation = attention;
+    run.packed_rows = packed_rows;
+    const Plan plan = plan_run(run, model, Device::cuda);
+    uint64_t bytes = 0;
+    for (const AllocationRecord& r : plan.records)
+      if (r.name == "layers.1.attn_cudnn_workspace") bytes = std::max(bytes, r.bytes);  // the backward's
+    return std::make_pair(bytes, plan.records.size());
+  };
+  const auto [unpacked, unpacked_records] = workspace_bytes("cudnn", false);
+  const auto [packed, packed_records] = workspace_bytes("cudnn", true);
+  const RunConfig run = run_for(kCases[5]);
+  const int64_t tokens = run.per_device_train_batch_size * run.max_seq_length;
+  ASSERT_GT(unpacked, 0u) << "no backward cuDNN workspace found in the plan";
+  EXPECT_EQ(packed - unpacked, uint64_t{4} * kRaggedSlotRoom * tokens * model.num_attention_heads * model.head_dim);
+  EXPECT_EQ(packed_records, unpacked_records);
+  // The flash kernel has no cuDNN workspace: packing changes nothing in its plan.
+  RunConfig flash = run_for(kCases[3]);
+  const uint64_t flash_arena = plan_run(flash, model, Device::cuda).arena_bytes;
+  flash.packed_rows = true;
+  EXPECT_EQ(plan_run(flash, model, Device::cuda).arena_bytes, flash_arena);
 }
 
 TEST(DataShapes, OffloadedLayerInputsAtAShorterShapeGiveThePaddedStep) {

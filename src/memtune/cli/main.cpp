@@ -381,6 +381,7 @@ int run_cli(int argc, char** argv) {
   plan_cmd->add_option("--device", device, "the device planned for: cuda (auto; its 32 MiB GEMM and reduction workspace included) or cpu (no workspace: what train --device cpu allocates)")->capture_default_str();
   int plan_world_size = 1;
   plan_cmd->add_option("--world_size", plan_world_size, "several GPUs: plan one rank of this many (ZeRO-1 optimizer state)")->capture_default_str();
+  plan_cmd->add_flag("--packing,--padding_free", run.packed_rows, "plan a run whose rows hold several samples (train --packing / --padding_free): cuDNN attention gets room for its ragged backward");
   plan_cmd->add_flag("--shard_base", run.shard_base, "with --world_size 2 or more: the frozen base sharded across the ranks and gathered one layer at a time (FSDP-QLoRA)");
 
   // train's data and loop options, in TRL / transformers names (data/sft_dataset.h, train/trainer.h).
@@ -439,6 +440,7 @@ int run_cli(int argc, char** argv) {
   add_run_options(*fit_cmd, run, flags);
   std::string context = fmt::format("{}MiB", kCudaContextReserveBytes >> 20);
   fit_cmd->add_option("--vram", vram, "budget, e.g. 24GiB")->required();
+  fit_cmd->add_flag("--packing,--padding_free", run.packed_rows, "fit a run whose rows hold several samples (train --packing / --padding_free)");
   fit_cmd->add_flag("--json", json, "with --max-context: print one JSON object");
   fit_cmd->add_option("--context", context, "CUDA context + library handles to reserve (the ladder measures it)")->capture_default_str();
   bool max_context = false;
@@ -817,6 +819,8 @@ int run_cli(int argc, char** argv) {
                 "--padding_free needs flash or cuDNN attention (--attn_implementation flash, cudnn or auto): eager "
                 "attention keeps [batch, heads, seq, seq] probabilities, which a row of several samples outgrows");
   MT_USER_CHECK(!data_path.empty() || eval_split == 0, "--eval_split splits --data, and no --data was given");
+  // Rows of several samples: the plan gives cuDNN attention room for its ragged backward.
+  run.packed_rows = run.packed_rows || packing || padding_free;
   if (!tokenizer_path.empty()) check_tokenizer_fits_model(tokenizer, model.vocab_size);
   DatasetOptions data_options;
   data_options.on_bad_line = policy;

@@ -46,20 +46,28 @@ struct AttentionDims {
 // wants 256 bytes. A graph that wants more than planned fails with a clear error rather than
 // allocating.
 //
-// Packed rows (RaggedAttention below) fit in bounds of the same form. The backward's ragged graph
-// is given the token count as its max_total_seq_len_q, so that cuDNN sizes its dq accumulator and
-// row sums by the tokens (not by sequences x longest), and the op puts its copy of lse, in the
-// layout cuDNN reads, in front of cuDNN's workspace: one more row statistic. The bound has a third
-// row statistic for that copy, so that the measured dense need still fits beside it with room to
-// spare (the ragged engines' own workspace was not measured when this was written: the GPU test
-// prints it). The forward's bound has a second row statistic (one f32 per query row) and 1 MiB
-// for the same reason: cuDNN writes its ragged Stats token-major into the workspace, and the op
-// transposes them into lse. A ragged graph that wants more than planned runs the flash kernel
-// instead (the batch's data, not the plan, decides its sequences), and says so once.
-inline int64_t cudnn_attention_workspace_floats(const AttentionDims& d, bool backward) {
+// Packed rows (RaggedAttention below). The backward's ragged graph is given the token count as
+// its max_total_seq_len_q, and the op puts its copy of lse, in the layout cuDNN reads, in front of
+// cuDNN's workspace (one more row statistic, which the dense bound's third one covers). Measured
+// on an H100 with cuDNN 9.14 (the GPU test's WORKSPACE lines, bench/results/2026-12-06-h100-data-
+// modes): the ragged backward wants 4 * n_heads * head_dim * (tokens + slots * max_len) bytes, +
+// ~2 row statistics: its dq accumulator is sized by the tokens, a second buffer by the padded
+// [slots, max_len] layout. So a run whose rows are packed (RunConfig::packed_rows: --packing,
+// --padding_free) plans kRaggedSlotRoom * tokens * n_heads * head_dim more floats: room for
+// slots * max_len up to about 4x the tokens (~60 chat samples of <= 256 tokens in 2 x 2,048; four
+// 2,048-token samples in 8,192), at 3 x 64 MiB for an 8B model at 2 x 2,048. A batch whose graph
+// wants more runs memtune's flash kernel (exact, slower), which the op counts and says once; an
+// unpacked run pays nothing. The forward's bound has a second row statistic (one f32 per query
+// row) and 1 MiB: cuDNN writes its ragged Stats token-major into the workspace, and the op
+// transposes them into lse.
+inline constexpr int64_t kRaggedSlotRoom = 3;
+
+inline int64_t cudnn_attention_workspace_floats(const AttentionDims& d, bool backward,
+                                                bool packed_rows = false) {
   if (!backward) return 2 * d.batch * d.n_heads * d.seq + (int64_t{1} << 18);
   const int64_t rows = d.batch * d.n_heads * ((d.seq + 127) / 128 * 128);
-  return rows * (2 * d.head_dim + 3) + (int64_t{1} << 18);
+  const int64_t slot_room = packed_rows ? kRaggedSlotRoom * d.tokens() * d.n_heads * d.head_dim : 0;
+  return rows * (2 * d.head_dim + 3) + slot_room + (int64_t{1} << 18);
 }
 
 // Packed rows (several samples in a row) for the cuDNN op: the device copy of the micro-batch's

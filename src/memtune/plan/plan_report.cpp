@@ -18,6 +18,7 @@ nlohmann::json run_config_json(const RunConfig& run, const LlamaConfig& model) {
           {"mlp_chunk_tokens", run.resolved_token_chunk_rows()},
           {"offload_activations", run.offload_activations},
           {"offload_embeddings", run.offload_embeddings},
+          {"packed_rows", run.packed_rows},
           {"gradient_checkpointing", run.gradient_checkpointing},
           {"per_device_train_batch_size", run.per_device_train_batch_size},
           {"gradient_accumulation_steps", run.gradient_accumulation_steps},

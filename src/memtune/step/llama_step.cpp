@@ -587,7 +587,7 @@ void LlamaStep::attention_backward(int layer, LayerState& s, const Tensor& d_att
     // cuDNN's workspace; its first N * n_heads * head_dim floats are the flash dq accumulator
     // for packed batches.
     Tensor workspace = memory_.alloc(prefix + "attn_cudnn_workspace", MemCategory::attention_scratch,
-                                     DType::f32, Shape{cudnn_attention_workspace_floats(planned_attention_dims(), true)});
+                                     DType::f32, Shape{cudnn_attention_workspace_floats(planned_attention_dims(), true, options_.packed_rows)});
     if (batch_.one_sample_per_row || !batch_.ragged.empty())
       backend_.attention_cudnn_backward(dq, dk, dv, delta, workspace, d_attn, act(Act::attn_out),
                                         act(Act::attn_lse), act(Act::q), act(Act::k), act(Act::v),

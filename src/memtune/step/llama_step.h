@@ -88,6 +88,9 @@ struct StepOptions {
   // The saved layer inputs go to pinned host memory between forward and backward (needs
   // gradient_checkpointing); see the header comment.
   bool offload_activations = false;
+  // Rows may hold several samples (packing, padding-free): AttentionImpl::cudnn plans room for
+  // cuDNN's ragged backward (cudnn_attention_workspace_floats); no other effect.
+  bool packed_rows = false;
   int64_t micro_batch = 1, seq = 0;
 };
 

@@ -88,6 +88,7 @@ StepOptions RunConfig::step_options() const {
   o.gradient_checkpointing = gradient_checkpointing;
   o.mlp_chunk_tokens = resolved_token_chunk_rows();
   o.offload_activations = offload_activations;
+  o.packed_rows = packed_rows;
   o.micro_batch = per_device_train_batch_size;
   o.seq = max_seq_length;
   return o;

@@ -40,6 +40,10 @@ struct RunConfig {
   // 2 bytes of device memory (1 GB on Llama 3.1 8B). Needs untied embeddings: a tied LM head
   // would read the table in every GEMM.
   bool offload_embeddings = false;
+  // The run's rows may hold several samples (train --packing or --padding_free; plan/fit take
+  // the same flags): cuDNN attention then plans room for its ragged backward graphs
+  // (ops/backend.h, cudnn_attention_workspace_floats). Set by the CLI from those flags.
+  bool packed_rows = false;
   // Data parallel: the cap of one gradient all-reduce bucket in MiB (transformers'
   // ddp_bucket_cap_mb, PyTorch DDP's bucket_cap_mb; 25 there too). Smaller buckets start
   // communicating earlier in the backward, larger ones make fewer calls.

@@ -119,6 +119,9 @@ struct TrainOutcome {
 
 // The rows a dataset makes (one per sample, or packed by best-fit decreasing).
 std::vector<RowLayout> training_rows(const Dataset& data, int64_t seq, bool packing);
+// A run without --packing whose samples average at most max_seq_length / kPackingHintRatio
+// tokens is told, once, what --packing would give it.
+inline constexpr double kPackingHintRatio = 4;
 // Optimizer steps in one epoch of `rows` rows.
 int64_t steps_per_epoch(int64_t rows, int64_t batch, int64_t accumulation);
 // transformers' max_steps for num_train_epochs: ceil(epochs * steps per epoch).
