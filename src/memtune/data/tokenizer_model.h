@@ -296,7 +296,11 @@ struct Tokenizer::Impl {
   // piece begins the original text (Metaspace's "first" prepend scheme asks).
   void split_normalized_added(std::string_view text, bool at_start, std::vector<int32_t>& out) const {
     std::string normalized_text;
-    if (!normalizer.empty()) {
+    // Qwen's normalizer is NFC alone, which leaves most text as it is: no copy then.
+    const bool nfc_only_and_stable = normalizer.size() == 1 &&
+                                     normalizer[0].op == NormalizerStep::Op::kNfc &&
+                                     unicode::nfc_trivially_stable(text);
+    if (!normalizer.empty() && !nfc_only_and_stable) {
       normalized_text = normalize(text);
       text = normalized_text;
     }
