@@ -138,3 +138,29 @@ TEST(ChatTemplateFamilies, UnknownTemplateIsRefused) {
                   "not one memtune renders");
   fs::remove_all(dir);
 }
+
+// transformers >= 4.43 saves the template as chat_template.jinja, which wins over
+// tokenizer_config.json; older configs may hold a list of named templates ("default" is used).
+TEST(ChatTemplateFamilies, TemplateFromJinjaFileOrNamedList) {
+  namespace fs = std::filesystem;
+  const fs::path dir = make_test_dir("chat_sources");
+  fs::copy_file(family_tokenizer_dir("mistral", "mistral") / "tokenizer.json", dir / "tokenizer.json");
+  const json mistral_config =
+      json::parse(read_file(tokenizer_fixture_dir() / "mistral" / "tokenizer_config.json"));
+  const json qwen_config =
+      json::parse(read_file(tokenizer_fixture_dir() / "qwen2.5" / "tokenizer_config.json"));
+  {
+    json config = {{"chat_template",
+                    {{{"name", "tool_use"}, {"template", qwen_config["chat_template"]}},
+                     {{"name", "default"}, {"template", mistral_config["chat_template"]}}}}};
+    std::ofstream(dir / "tokenizer_config.json") << config.dump();
+  }
+  EXPECT_EQ(chat_format_of(Tokenizer::from_file(dir / "tokenizer.json")), ChatFormat::mistral_v3);
+  std::ofstream(dir / "chat_template.jinja") << qwen_config["chat_template"].get<std::string>();
+  EXPECT_EQ(chat_format_of(Tokenizer::from_file(dir / "tokenizer.json")), ChatFormat::qwen2_5);
+  std::ofstream(dir / "tokenizer_config.json") << R"({"chat_template": 3})";
+  fs::remove(dir / "chat_template.jinja");
+  EXPECT_CONTAINS(error_of([&] { (void)Tokenizer::from_file(dir / "tokenizer.json"); }),
+                  "chat_template");
+  fs::remove_all(dir);
+}
