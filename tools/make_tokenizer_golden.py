@@ -334,7 +334,7 @@ def main():
     # The same model as transformers' non-legacy conversion writes it: no normalizer, and a
     # Metaspace pre-tokenizer (split false) with each prepend scheme.
     spec = json.loads((tmp / "mistral.json").read_text(encoding="utf-8"))
-    for scheme in ("first", "always"):
+    for scheme in ("first", "always", "never"):
         spec["normalizer"] = None
         spec["pre_tokenizer"] = {"type": "Metaspace", "replacement": "\u2581",
                                  "prepend_scheme": scheme, "split": False}

@@ -161,9 +161,9 @@ TEST(MistralTokenizer, SpecialTokenIds) {
 
 TEST(MistralTokenizer, MetaspacePreTokenizerMatchesHf) {
   // The same model as transformers' non-legacy conversion writes it: no normalizer and a
-  // Metaspace pre-tokenizer, with the "first" and "always" prepend schemes.
+  // Metaspace pre-tokenizer, with each prepend scheme.
   json spec = json::parse(read_file(family_tokenizer_dir("mistral", "mistral") / "tokenizer.json"));
-  for (const std::string scheme : {"first", "always"}) {
+  for (const std::string scheme : {"first", "always", "never"}) {
     SCOPED_TRACE(scheme);
     spec["normalizer"] = nullptr;
     spec["pre_tokenizer"] = {{"type", "Metaspace"},
