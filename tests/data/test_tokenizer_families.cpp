@@ -214,14 +214,14 @@ TEST(MistralTokenizer, UnsupportedPartsAreRefusedWithTheirPath) {
 // ---------------------------------------------------------------------------------------------
 // NFC itself, against Python's unicodedata.
 
-TEST(UnicodeNfc, MatchesPythonOnTheCorpus) {
+TEST(TokenizerUnicodeNfc, MatchesPythonOnTheCorpus) {
   for (const json& row : read_jsonl(qwen3_dir() / "corpus.jsonl")) {
     EXPECT_EQ(unicode::to_nfc(row["text"].get<std::string>()), row["nfc"].get<std::string>())
         << json(row["text"]).dump();
   }
 }
 
-TEST(UnicodeNfc, KnownForms) {
+TEST(TokenizerUnicodeNfc, KnownForms) {
   EXPECT_EQ(unicode::to_nfc("e\xCC\x81"), "\xC3\xA9");                      // e + acute
   EXPECT_EQ(unicode::to_nfc("\xE2\x84\xAB"), "\xC3\x85");                   // ANGSTROM SIGN
   EXPECT_EQ(unicode::to_nfc("\xE0\xA5\x98"), "\xE0\xA4\x95\xE0\xA4\xBC");   // excluded QA
