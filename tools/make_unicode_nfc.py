@@ -9,12 +9,19 @@ Three tables:
   - primary composites: the pairs (a, b) whose canonical decomposition is exactly a + b and
     that NFC composes back (so composition exclusions, singletons and non-starter
     decompositions are left out; Hangul again by arithmetic).
-Usage: python3 tools/make_unicode_nfc.py  (rewrites the .cpp; commit it)
+Also writes tests/fixtures/tokenizer/nfc_cases.jsonl, {"text", "nfc"} by unicodedata: every
+character that has a canonical decomposition, alone and in its NFD form, and seeded random
+sequences of starters, combining marks and Hangul jamo.
+Usage: python3 tools/make_unicode_nfc.py  (rewrites both; commit them)
 """
+import json
+import random
 import unicodedata
 from pathlib import Path
 
-OUT = Path(__file__).resolve().parent.parent / "src/memtune/data/unicode_nfc_table.cpp"
+REPO = Path(__file__).resolve().parent.parent
+OUT = REPO / "src/memtune/data/unicode_nfc_table.cpp"
+CASES = REPO / "tests/fixtures/tokenizer/nfc_cases.jsonl"
 HANGUL_FIRST, HANGUL_LAST = 0xAC00, 0xD7A3
 
 
@@ -97,6 +104,19 @@ def main():
     w("")
     w("}  // namespace memtune::unicode::nfc_data")
     OUT.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    texts = []
+    for c, d in decomp:
+        texts += [chr(c), "".join(chr(x) for x in d)]
+    rng = random.Random(2026)
+    starters = sorted({a for a, _, _ in pairs}) + list(range(0x1100, 0x1113)) + [0x61, 0x20]
+    marks = [c for c, _ in ccc[:400]] + [b for _, b, _ in pairs] + list(range(0x1161, 0x1176)) + \
+        list(range(0x11A8, 0x11C3))
+    for _ in range(3000):
+        n = rng.randint(1, 6)
+        texts.append("".join(chr(rng.choice(starters if rng.random() < 0.35 else marks)) for _ in range(n)))
+    with open(CASES, "w", encoding="utf-8") as f:
+        for t in dict.fromkeys(texts):
+            f.write(json.dumps({"text": t, "nfc": unicodedata.normalize("NFC", t)}) + "\n")
     print(f"{OUT}: {len(ranges)} class ranges, {len(entries)} decompositions, "
           f"{len(pairs)} compositions, first touched U+{first_touched:04X}")
 

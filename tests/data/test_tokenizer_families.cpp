@@ -221,6 +221,22 @@ TEST(TokenizerUnicodeNfc, MatchesPythonOnTheCorpus) {
   }
 }
 
+// Every character with a canonical decomposition, alone and decomposed, and 3000 seeded random
+// runs of starters, marks and jamo (tools/make_unicode_nfc.py).
+TEST(TokenizerUnicodeNfc, MatchesPythonOnEveryDecomposableCharacterAndRandomMarks) {
+  const auto rows = read_jsonl(tokenizer_fixture_dir() / "nfc_cases.jsonl");
+  ASSERT_GE(rows.size(), 6000u);
+  size_t mismatches = 0;
+  for (const json& row : rows) {
+    const std::string text = row["text"];
+    if (unicode::to_nfc(text) != row["nfc"].get<std::string>() && ++mismatches <= 20) {
+      ADD_FAILURE() << json(text).dump() << ": memtune " << json(unicode::to_nfc(text)).dump()
+                    << ", Python " << row["nfc"].dump();
+    }
+  }
+  EXPECT_EQ(mismatches, 0u);
+}
+
 TEST(TokenizerUnicodeNfc, KnownForms) {
   EXPECT_EQ(unicode::to_nfc("e\xCC\x81"), "\xC3\xA9");                      // e + acute
   EXPECT_EQ(unicode::to_nfc("\xE2\x84\xAB"), "\xC3\x85");                   // ANGSTROM SIGN
