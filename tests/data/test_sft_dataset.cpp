@@ -12,6 +12,7 @@
 
 #include "memtune/core/error.h"
 #include "memtune/data/tokenizer.h"
+#include "../support/tokenizer_data.h"
 
 using namespace memtune;
 namespace fs = std::filesystem;
@@ -286,3 +287,36 @@ TEST(SftDataset, SeededPermutationIsAPermutationAndDependsOnTheSeed) {
 }
 
 }  // namespace
+
+// A conversational file read with the Qwen and Mistral tokenizers takes their chat format (from
+// the tokenizer_config.json beside each tokenizer.json) and trains only the assistant turns; the
+// text form gets tokenizer_config.json's eos_token (Qwen3: <|im_end|>) and, for Qwen, no BOS.
+TEST(SftDataset, QwenAndMistralUseTheirChatFormatAndEos) {
+  const fs::path dir = temp_dir("families");
+  const fs::path chat = write_file(
+      dir, "chat.jsonl",
+      R"({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]})"
+      "\n");
+  for (const std::string family : {"qwen3", "qwen2.5", "mistral"}) {
+    SCOPED_TRACE(family);
+    const Tokenizer& tokenizer = test::family_tokenizer(family);
+    const Dataset data = read_dataset(chat, tokenizer, tokenizer.vocab_size(), DatasetOptions{});
+    ASSERT_EQ(data.samples.size(), 1u);
+    const Sample& s = data.samples[0];
+    const ChatEncoding expected = encode_chat(tokenizer, {{"user", "Hi"}, {"assistant", "Hello"}});
+    EXPECT_EQ(s.input_ids, expected.ids);
+    std::string trained;
+    for (size_t t = 0; t < s.labels.size(); ++t) {
+      if (s.labels[t] != -100) trained += tokenizer.token_bytes(s.labels[t]);
+    }
+    EXPECT_EQ(trained, family == "qwen3"     ? "<think>\n\n</think>\n\nHello<|im_end|>"
+                       : family == "qwen2.5" ? "Hello<|im_end|>"
+                                             : "  Hello</s>");
+  }
+  const fs::path qwen_json = test::family_tokenizer_dir("qwen3", "qwen3") / "tokenizer.json";
+  const Tokenizer& qwen = test::family_tokenizer("qwen3");
+  const std::optional<int32_t> eos = eos_id_from_tokenizer_config(qwen_json, qwen);
+  EXPECT_EQ(eos, qwen.token_to_id("<|im_end|>"));
+  const Sample text = encode_text_sample(qwen, "Hello", *eos);
+  EXPECT_EQ(text.input_ids, (std::vector<int32_t>{9707, *eos}));
+}

@@ -287,8 +287,12 @@ TEST(TokenizerJson, UnsupportedStructuresAreRefused) {
     std::string expected;  // a part of the message
   };
   const std::vector<Case> cases = {
-      {[](json& s) { s["normalizer"] = {{"type", "NFC"}}; }, "normalizer"},
-      {[](json& s) { s["pre_tokenizer"] = {{"type", "Metaspace"}}; }, "pre_tokenizer.type"},
+      {[](json& s) { s["normalizer"] = {{"type", "NFKC"}}; }, "normalizer.type"},
+      {[](json& s) { s["normalizer"] = {{"type", "Replace"}, {"pattern", {{"Regex", "a+"}}},
+                                        {"content", "b"}}; },
+       "normalizer.pattern"},
+      // Without ByteLevel the vocabulary is read as a character BPE, which needs byte fallback.
+      {[](json& s) { s["pre_tokenizer"] = {{"type", "Metaspace"}}; }, "model.byte_fallback"},
       {[](json& s) { s["pre_tokenizer"] = nullptr; }, "pre_tokenizer"},
       {[](json& s) { s["pre_tokenizer"]["add_prefix_space"] = true; }, "add_prefix_space"},
       {[](json& s) {

@@ -1,12 +1,18 @@
 // The tokenizer tests' data: the real Llama 3 tokenizer (shared/data/llama3-tokenizer, beside the
 // checkout: CI clones the repo with shared/ next to it), the small fixtures under
-// tests/fixtures/tokenizer, and JSON lines reading.
+// tests/fixtures/tokenizer (with the Qwen3 and Mistral tokenizers gzipped in qwen3/ and mistral/:
+// see the README there), and JSON lines reading.
 #pragma once
 
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <cstdint>
+#include <cstdlib>
 #include <filesystem>
+#include <map>
+#include <mutex>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <stdexcept>
@@ -41,6 +47,52 @@ inline const Tokenizer& llama3_tokenizer() {
   }();
   if (tokenizer == nullptr) throw std::runtime_error("Llama 3 tokenizer data missing");
   return *tokenizer;
+}
+
+// A folder holding the family's tokenizer.json (gunzipped from tests/fixtures/tokenizer/<json_from>/
+// tokenizer.json.gz) and the tokenizer_config.json of tests/fixtures/tokenizer/<config_from>/,
+// made once per test process under the temporary directory.
+inline std::filesystem::path family_tokenizer_dir(const std::string& json_from,
+                                                  const std::string& config_from) {
+  namespace fs = std::filesystem;
+  // Removed when the test process exits.
+  struct Root {
+    fs::path path = fs::temp_directory_path() / ("memtune_tokenizers_" + std::to_string(::getpid()));
+    ~Root() {
+      std::error_code ignored;
+      fs::remove_all(path, ignored);
+    }
+  };
+  static const Root root;
+  const fs::path dir = root.path / (json_from + "+" + config_from);
+  if (fs::exists(dir / "tokenizer.json")) return dir;
+  fs::create_directories(dir);
+  const fs::path gz = tokenizer_fixture_dir() / json_from / "tokenizer.json.gz";
+  if (!fs::exists(gz)) throw std::runtime_error("missing fixture " + gz.string());
+  const std::string command =
+      "gzip -dc '" + gz.string() + "' > '" + (dir / "tokenizer.json.part").string() + "'";
+  if (std::system(command.c_str()) != 0) throw std::runtime_error("failed: " + command);
+  fs::rename(dir / "tokenizer.json.part", dir / "tokenizer.json");
+  fs::copy_file(tokenizer_fixture_dir() / config_from / "tokenizer_config.json",
+                dir / "tokenizer_config.json", fs::copy_options::overwrite_existing);
+  return dir;
+}
+
+// The real tokenizer of a family, loaded once per test binary: "qwen3" (the real Qwen3 files),
+// "qwen2.5" (Qwen3's tokenizer.json, which Qwen2.5 shares but for four added tokens, with
+// Qwen2.5-Instruct's chat template), "mistral" (Mistral 7B v0.3).
+inline const Tokenizer& family_tokenizer(const std::string& family) {
+  static std::map<std::string, Tokenizer> loaded;
+  static std::mutex mutex;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = loaded.find(family);
+  if (it == loaded.end()) {
+    const std::string json_from = family == "qwen2.5" ? "qwen3" : family;
+    it = loaded.emplace(family, Tokenizer::from_file(family_tokenizer_dir(json_from, family) /
+                                                     "tokenizer.json"))
+             .first;
+  }
+  return it->second;
 }
 
 inline std::vector<nlohmann::json> read_jsonl(const std::filesystem::path& path) {

@@ -13,10 +13,11 @@
 //    completion_only_loss (TRL's name, default true here as TRL's None resolves to for this
 //    form) the prompt's labels are -100. Like TRL, the boundary is the prompt's own token count
 //    even when a BPE merge crosses it.
-//  - {"messages": [{"role": ..., "content": ...}, ...]}: conversational. Tokens: the Llama 3
-//    chat template (chat_template.h; BOS from the template, no EOS appended: each turn ends in
-//    <|eot_id|>, and TRL adds no EOS to conversational data). With assistant_only_loss (TRL's
-//    name) only the assistant turns' content and their closing <|eot_id|> are trained.
+//  - {"messages": [{"role": ..., "content": ...}, ...]}: conversational. Tokens: the chat format
+//    of the tokenizer (chat_template.h's chat_format_of: Llama 3, Qwen2.5, Qwen3 or Mistral
+//    v0.3; BOS from the template where it has one, no EOS appended: each turn ends in its
+//    end-of-turn token, and TRL adds no EOS to conversational data). With assistant_only_loss
+//    (TRL's name) only the assistant turns and the token closing each are trained.
 //    memtune's default is TRUE, where TRL's is false: TRL can only honour the flag for chat
 //    templates with {% generation %} markers, which Llama 3's lacks, so its default is what is
 //    possible rather than what is wanted; training on user turns teaches the model to write

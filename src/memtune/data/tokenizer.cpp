@@ -1,4 +1,5 @@
-// Byte-level BPE matching HF tokenizers (v0.2x) bit for bit on Llama 3's tokenizer.json.
+// BPE matching HF tokenizers (v0.2x) bit for bit on the tokenizer.json files of Llama 3, Qwen3
+// (and so Qwen2.5, the same model and normalizer) and Mistral 7B v0.3.
 //
 // Facts used, with where they were read:
 //  - tokenizer.json layout and semantics: huggingface/tokenizers, tokenizers/src (models/bpe,
@@ -58,7 +59,10 @@ std::vector<int32_t> Tokenizer::encode(std::string_view text) const {
 
 std::vector<int32_t> Tokenizer::encode(std::string_view text, bool add_bos) const {
   std::vector<int32_t> out;
-  if (add_bos) out.push_back(impl_->bos);
+  if (add_bos) {
+    MT_USER_CHECK(impl_->bos >= 0, "this tokenizer has no BOS token to add (Qwen has none)");
+    out.push_back(impl_->bos);
+  }
   impl_->encode_plain_append(text, out);
   return out;
 }
@@ -79,8 +83,15 @@ std::string Tokenizer::decode(std::span<const int32_t> ids, bool skip_special_to
 
 std::string Tokenizer::decode_lossy(std::span<const int32_t> ids,
                                     bool skip_special_tokens) const {
-  return unicode::to_utf8_lossy(impl_->decode(ids, skip_special_tokens));
+  return impl_->decode_lossy(ids, skip_special_tokens);
 }
+
+std::string_view Tokenizer::token_bytes(int32_t id) const {
+  impl_->check_id(id);
+  return impl_->token_bytes[size_t(id)];
+}
+
+std::string_view Tokenizer::chat_template() const { return impl_->chat_template; }
 
 int32_t Tokenizer::vocab_size() const { return impl_->vocab_size; }
 
@@ -106,7 +117,7 @@ int32_t Tokenizer::eot_id() const { return impl_->eot; }
 int32_t Tokenizer::pad_id() const { return impl_->pad; }
 
 bool Tokenizer::adds_bos_by_default() const {
-  return !impl_->template_prefix.empty() && impl_->template_prefix[0] == impl_->bos;
+  return impl_->bos >= 0 && !impl_->template_prefix.empty() && impl_->template_prefix[0] == impl_->bos;
 }
 
 bool Tokenizer::is_byte_level() const { return impl_->kind == Impl::Kind::kBytes; }

@@ -1,5 +1,6 @@
-// Inside the tokenizer (tokenizer.h): the byte-level BPE model that tokenizer.cpp runs and
-// tokenizer_json.cpp fills from tokenizer.json. Its hot lookup tables, the added-token matcher, and
+// Inside the tokenizer (tokenizer.h): the BPE model that tokenizer.cpp runs and tokenizer_json.cpp
+// fills from tokenizer.json -- byte-level (Llama 3, Qwen) or over characters with byte fallback
+// (Mistral, SentencePiece-converted) -- with its normalizer and pre-tokenizer. Its hot lookup tables, the added-token matcher, and
 // Tokenizer::Impl. Not for use outside data/.
 #pragma once
 
@@ -20,6 +21,7 @@
 #include "memtune/data/split_regex.h"
 #include "memtune/data/tokenizer.h"
 #include "memtune/data/unicode_bytes.h"
+#include "memtune/data/unicode_nfc.h"
 
 namespace memtune {
 namespace tokenizer_detail {
@@ -221,8 +223,39 @@ struct Tokenizer::Impl {
   using WordTable = tokenizer_detail::WordTable;
   using StringIdMap = tokenizer_detail::StringIdMap;
 
-  enum class Kind { kBpe, kBytes };
+  // kBpe: byte-level BPE (each byte one symbol, spelt in GPT-2's byte map). kCharBpe: BPE over
+  // characters, where a character missing from the vocabulary becomes its UTF-8 bytes' <0xNN>
+  // tokens (tokenizers models/bpe/model.rs, merge_word with byte_fallback). kBytes: the built-in.
+  enum class Kind { kBpe, kCharBpe, kBytes };
   Kind kind = Kind::kBpe;
+
+  // The normalizer's steps, in order (tokenizers normalizers/{unicode,prepend,replace}.rs).
+  struct NormalizerStep {
+    enum class Op { kNfc, kPrepend, kReplace };
+    Op op;
+    std::string text;         // kPrepend: what is put first; kReplace: the pattern
+    std::string replacement;  // kReplace
+  };
+  std::vector<NormalizerStep> normalizer;
+
+  // The Metaspace pre-tokenizer (split false): spaces become `metaspace_replacement`, which is
+  // also put first per the prepend scheme (tokenizers pre_tokenizers/metaspace.rs).
+  enum class Prepend { kAlways, kFirst, kNever };
+  bool metaspace = false;
+  std::string metaspace_replacement;
+  Prepend metaspace_prepend = Prepend::kAlways;
+
+  // kCharBpe: single-character vocabulary tokens, and the <0xNN> token of each byte.
+  std::unordered_map<char32_t, int32_t> char_ids;
+  std::array<int32_t, 256> fallback_ids{};
+  // The decoder's ByteFallback (runs of <0xNN> tokens that are not valid UTF-8 decode lossily
+  // to one U+FFFD per token) and Strip (characters removed from the start of the whole text).
+  std::vector<uint8_t> id_is_byte_token;
+  bool byte_fallback_decode = false;
+  size_t strip_leading_spaces = 0;
+
+  // tokenizer_config.json's (or chat_template.jinja's) chat template, when from_file found one.
+  std::string chat_template;
 
   int32_t vocab_size = 0;
   std::vector<std::string> token_text;  // tokenizer.json's spelling, by id
@@ -250,20 +283,67 @@ struct Tokenizer::Impl {
   void encode_plain_append(std::string_view text, std::vector<int32_t>& out) const {
     unicode::check_utf8(text, "text to tokenize");
     if (literal_added.empty()) {
-      split_normalized_added(text, out);
+      split_normalized_added(text, /*at_start=*/true, out);
       return;
     }
-    split_on(literal_added, text, out,
-             [&](std::string_view gap) { split_normalized_added(gap, out); });
+    split_on(literal_added, text, out, [&](std::string_view gap, size_t offset) {
+      split_normalized_added(gap, offset == 0, out);
+    });
   }
 
-  void split_normalized_added(std::string_view text, std::vector<int32_t>& out) const {
+  // A piece of text between literal added tokens: normalized on its own, then split on the
+  // normalized added tokens (tokenizers AddedVocabulary::extract_and_normalize). `at_start`: the
+  // piece begins the original text (Metaspace's "first" prepend scheme asks).
+  void split_normalized_added(std::string_view text, bool at_start, std::vector<int32_t>& out) const {
+    std::string normalized_text;
+    // Qwen's normalizer is NFC alone, which leaves most text as it is: no copy then.
+    const bool nfc_only_and_stable = normalizer.size() == 1 &&
+                                     normalizer[0].op == NormalizerStep::Op::kNfc &&
+                                     unicode::nfc_trivially_stable(text);
+    if (!normalizer.empty() && !nfc_only_and_stable) {
+      normalized_text = normalize(text);
+      text = normalized_text;
+    }
     if (normalized_added.empty()) {
-      encode_segment(text, out);
+      encode_segment(text, at_start, out);
       return;
     }
-    split_on(normalized_added, text, out,
-             [&](std::string_view gap) { encode_segment(gap, out); });
+    split_on(normalized_added, text, out, [&](std::string_view gap, size_t offset) {
+      encode_segment(gap, at_start && offset == 0, out);
+    });
+  }
+
+  std::string normalize(std::string_view text) const {
+    std::string s(text);
+    for (const NormalizerStep& step : normalizer) {
+      switch (step.op) {
+        case NormalizerStep::Op::kNfc:
+          if (!unicode::nfc_trivially_stable(s)) s = unicode::to_nfc(s);
+          break;
+        case NormalizerStep::Op::kPrepend:
+          if (!s.empty()) s.insert(0, step.text);
+          break;
+        case NormalizerStep::Op::kReplace:
+          s = replace_all(s, step.text, step.replacement);
+          break;
+      }
+    }
+    return s;
+  }
+
+  static std::string replace_all(std::string_view s, std::string_view pattern,
+                                 std::string_view replacement) {
+    std::string out;
+    size_t pos = 0;
+    while (true) {
+      const size_t hit = s.find(pattern, pos);
+      if (hit == std::string_view::npos) break;
+      out.append(s.substr(pos, hit - pos));
+      out.append(replacement);
+      pos = hit + pattern.size();
+    }
+    out.append(s.substr(pos));
+    return out;
   }
 
   template <typename Gap>
@@ -273,7 +353,7 @@ struct Tokenizer::Impl {
     while (pos < text.size()) {
       const auto match = matcher.find(text, pos);
       const size_t gap_end = match ? match->begin : text.size();
-      if (gap_end > pos) gap(text.substr(pos, gap_end - pos));
+      if (gap_end > pos) gap(text.substr(pos, gap_end - pos), pos);
       if (!match) break;
       out.push_back(match->id);
       pos = match->end;
@@ -281,10 +361,24 @@ struct Tokenizer::Impl {
   }
 
   // Text with no added token in it.
-  void encode_segment(std::string_view text, std::vector<int32_t>& out) const {
+  void encode_segment(std::string_view text, bool at_start, std::vector<int32_t>& out) const {
     const auto* bytes = reinterpret_cast<const unsigned char*>(text.data());
     if (kind == Kind::kBytes) {
       for (size_t i = 0; i < text.size(); ++i) out.push_back(int32_t(bytes[i]));
+      return;
+    }
+    if (kind == Kind::kCharBpe) {
+      if (!metaspace) {
+        encode_chars(text, out);
+        return;
+      }
+      std::string replaced = replace_all(text, " ", metaspace_replacement);
+      const bool prepend =
+          metaspace_prepend == Prepend::kAlways || (metaspace_prepend == Prepend::kFirst && at_start);
+      if (prepend && !std::string_view(replaced).starts_with(metaspace_replacement)) {
+        replaced.insert(0, metaspace_replacement);
+      }
+      encode_chars(replaced, out);
       return;
     }
     if (!split_regex) {
@@ -294,6 +388,27 @@ struct Tokenizer::Impl {
     split_regex->split(text, [&](size_t begin, size_t end) {
       encode_word(bytes + begin, end - begin, out);
     });
+  }
+
+  // kCharBpe: one pre-token, each character a symbol (or its bytes' <0xNN> tokens), then merged.
+  void encode_chars(std::string_view text, std::vector<int32_t>& out) const {
+    if (text.empty()) return;
+    thread_local std::vector<int32_t> symbols;
+    symbols.clear();
+    for (size_t i = 0; i < text.size();) {
+      const unicode::Utf8Step step = unicode::decode_utf8_step(text.substr(i));
+      MT_ASSERT(step.valid);
+      const auto it = char_ids.find(step.code_point);
+      if (it != char_ids.end()) {
+        symbols.push_back(it->second);
+      } else {
+        for (size_t b = 0; b < step.length; ++b) {
+          symbols.push_back(fallback_ids[static_cast<unsigned char>(text[i + b])]);
+        }
+      }
+      i += step.length;
+    }
+    merge_symbols(symbols.data(), symbols.size(), out);
   }
 
   // One pre-token through the model (tokenizers models/bpe/model.rs, BPE::tokenize).
@@ -310,10 +425,27 @@ struct Tokenizer::Impl {
         return;
       }
     }
+    int32_t short_symbols[kShortWord];
     if (n <= kShortWord) {
-      merge_short(p, n, out);
+      for (size_t i = 0; i < n; ++i) short_symbols[i] = byte_ids[p[i]];
+      merge_short(short_symbols, n, out);
+      return;
+    }
+    std::vector<int32_t> symbols(n);
+    for (size_t i = 0; i < n; ++i) symbols[i] = byte_ids[p[i]];
+    merge_long(symbols.data(), n, out);
+  }
+
+  void merge_symbols(const int32_t* initial, size_t n, std::vector<int32_t>& out) const {
+    if (n == 0) return;
+    if (n == 1) {
+      out.push_back(initial[0]);
+      return;
+    }
+    if (n <= kShortWord) {
+      merge_short(initial, n, out);
     } else {
-      merge_long(p, n, out);
+      merge_long(initial, n, out);
     }
   }
 
@@ -323,12 +455,12 @@ struct Tokenizer::Impl {
   // at these sizes; long words use the heap.
   static constexpr size_t kShortWord = 48;
 
-  void merge_short(const unsigned char* p, size_t n, std::vector<int32_t>& out) const {
+  void merge_short(const int32_t* initial, size_t n, std::vector<int32_t>& out) const {
     int32_t symbols[kShortWord];
     int32_t rank[kShortWord];  // rank[j]: the pair (symbols[j], symbols[j + 1])
     int32_t merged[kShortWord];
     size_t count = n;
-    for (size_t i = 0; i < n; ++i) symbols[i] = byte_ids[p[i]];
+    for (size_t i = 0; i < n; ++i) symbols[i] = initial[i];
     auto look_up = [&](size_t j) {
       const MergeTable::Entry* e = merges.find(symbols[j], symbols[j + 1]);
       rank[j] = e ? e->rank : INT32_MAX;
@@ -355,14 +487,14 @@ struct Tokenizer::Impl {
     out.insert(out.end(), symbols, symbols + count);
   }
 
-  void merge_long(const unsigned char* p, size_t n, std::vector<int32_t>& out) const {
+  void merge_long(const int32_t* initial, size_t n, std::vector<int32_t>& out) const {
     struct Symbol {
       int32_t id;  // -1 once merged into its left neighbour
       int32_t prev, next;  // -1 at the ends
     };
     std::vector<Symbol> symbols(n);
     for (size_t i = 0; i < n; ++i) {
-      symbols[i] = Symbol{byte_ids[p[i]], int32_t(i) - 1, i + 1 < n ? int32_t(i + 1) : -1};
+      symbols[i] = Symbol{initial[i], int32_t(i) - 1, i + 1 < n ? int32_t(i + 1) : -1};
     }
     // Min-heap of (rank << 32 | position): the lowest rank first, then the leftmost.
     std::vector<uint64_t> heap;
@@ -413,7 +545,46 @@ struct Tokenizer::Impl {
       if (skip_special_tokens && id_special[size_t(id)]) continue;
       out += token_bytes[size_t(id)];
     }
+    strip_start(out);
     return out;
+  }
+
+  // HF's decode: the ByteLevel decoder's String::from_utf8_lossy, or for ByteFallback one U+FFFD
+  // per <0xNN> token of a run that is not valid UTF-8 (tokenizers decoders/byte_fallback.rs).
+  std::string decode_lossy(std::span<const int32_t> ids, bool skip_special_tokens) const {
+    if (!byte_fallback_decode) return unicode::to_utf8_lossy(decode(ids, skip_special_tokens));
+    std::string out, run;
+    size_t run_tokens = 0;
+    auto flush = [&] {
+      if (run_tokens == 0) return;
+      if (unicode::find_invalid_utf8(run)) {
+        for (size_t i = 0; i < run_tokens; ++i) out += "\xEF\xBF\xBD";
+      } else {
+        out += run;
+      }
+      run.clear();
+      run_tokens = 0;
+    };
+    for (const int32_t id : ids) {
+      check_id(id);
+      if (skip_special_tokens && id_special[size_t(id)]) continue;
+      if (id_is_byte_token[size_t(id)]) {
+        run += token_bytes[size_t(id)];
+        ++run_tokens;
+        continue;
+      }
+      flush();
+      out += unicode::to_utf8_lossy(token_bytes[size_t(id)]);
+    }
+    flush();
+    strip_start(out);
+    return out;
+  }
+
+  void strip_start(std::string& text) const {
+    size_t n = 0;
+    while (n < strip_leading_spaces && n < text.size() && text[n] == ' ') ++n;
+    text.erase(0, n);
   }
 
   // Sizes the per-id tables for ids [0, size).
@@ -423,32 +594,36 @@ struct Tokenizer::Impl {
     token_bytes.resize(size_t(size));
     id_exists.resize(size_t(size), 0);
     id_special.resize(size_t(size), 0);
+    id_is_byte_token.resize(size_t(size), 0);
   }
 
-  // Resolves bos/eos/eot/pad from the tokens by name (Llama 3's names) and checks the template.
+  // Resolves bos/eos/eot/pad from the tokens by name: Llama 3's names, else Qwen's, else
+  // Mistral's (SentencePiece) names.
   void resolve_special_ids(const std::string& origin) {
     auto find = [&](std::string_view name) -> int32_t {
       const auto it = text_to_id.find(name);
       return it == text_to_id.end() ? -1 : it->second;
     };
+    auto first_of = [&](std::initializer_list<std::string_view> names) -> int32_t {
+      for (const std::string_view name : names) {
+        if (const int32_t id = find(name); id >= 0) return id;
+      }
+      return -1;
+    };
+    // BOS: what the post-processor puts first; Qwen has none (-1).
     bos = find("<|begin_of_text|>");
     if (bos < 0 && template_prefix.size() == 1) bos = template_prefix[0];
-    MT_USER_CHECK(bos >= 0,
-                  "{}: the tokenizer has no <|begin_of_text|> token; memtune needs a Llama 3 "
-                  "style tokenizer",
-                  origin);
-    eos = find("<|end_of_text|>");
+    eos = first_of({"<|end_of_text|>", "<|endoftext|>", "</s>"});
     MT_USER_CHECK(eos >= 0,
-                  "{}: the tokenizer has no <|end_of_text|> token; memtune needs a Llama 3 "
-                  "style tokenizer",
+                  "{}: the tokenizer has none of <|end_of_text|> (Llama 3), <|endoftext|> (Qwen) and "
+                  "</s> (Mistral); memtune needs one of them as the end of a document",
                   origin);
-    eot = find("<|eot_id|>");
+    eot = first_of({"<|eot_id|>", "<|im_end|>"});
     if (eot < 0) eot = eos;
     // Llama 3.1 named the reserved slot 128004 <|finetune_right_pad_id|>; Llama 3.0 files
     // (including shared/data's, despite its package name) still call it
     // <|reserved_special_token_2|>. Either way the same id pads, so the two agree.
-    pad = find("<|finetune_right_pad_id|>");
-    if (pad < 0) pad = find("<|reserved_special_token_2|>");
+    pad = first_of({"<|finetune_right_pad_id|>", "<|reserved_special_token_2|>"});
     if (pad < 0) pad = eos;
   }
 };
