@@ -218,7 +218,8 @@ Tokenizer output_tokenizer(const OutputCommandOptions& o, const ModelSource& sou
 }
 
 // --input-ids as given; else the prompt, as transformers' tokenizer(prompt) encodes it (with
-// <|begin_of_text|>) or, with --chat, the Llama 3 chat template with the generation prompt.
+// <|begin_of_text|>) or, with --chat, the tokenizer's chat format (Llama 3, Qwen's ChatML,
+// Mistral's [INST]: data/chat_template.h) with the generation prompt.
 std::vector<int32_t> output_prompt_ids(const OutputCommandOptions& o, const Tokenizer& tokenizer) {
   MT_USER_CHECK(o.prompt.empty() != o.input_ids.empty(), "give exactly one of --prompt and --input-ids");
   if (!o.input_ids.empty()) return parse_token_ids(o.input_ids);
@@ -226,7 +227,7 @@ std::vector<int32_t> output_prompt_ids(const OutputCommandOptions& o, const Toke
   std::vector<ChatMessage> messages;
   if (!o.system.empty()) messages.push_back({"system", o.system});
   messages.push_back({"user", o.prompt});
-  return tokenizer.encode_plain(apply_llama3_chat_template(messages, /*add_generation_prompt=*/true));
+  return tokenizer.encode_plain(apply_chat_template(chat_format_of(tokenizer), messages, /*add_generation_prompt=*/true));
 }
 
 // --dtype, else the config's torch_dtype / dtype (as transformers' dtype="auto"), else f32.
