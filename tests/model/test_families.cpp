@@ -14,6 +14,7 @@
 #include "memtune/train/engine_arena.h"
 #include "../support/engine_setup.h"
 #include "../support/expect_error.h"
+#include "../support/fixtures.h"
 
 using namespace memtune;
 using namespace memtune::enginetest;
@@ -22,7 +23,7 @@ namespace fs = std::filesystem;
 namespace {
 
 fs::path family_config_path(const std::string& name) {
-  return fs::path(MEMTUNE_SOURCE_DIR) / "tests/fixtures/families" / (name + ".json");
+  return memtune::test::fixture_path("families/" + name + ".json");
 }
 
 LlamaConfig family_model(const std::string& name) {
