@@ -174,12 +174,7 @@ TEST_P(Family, PlannedArenaEqualsAllocated) {
         run.lora_dropout = mlp_chunk > 0 ? 0.1 : 0.0;
         auto cpu = make_cpu_backend();
         PlannedEngine engine(*cpu, run, model);
-        engine->init_random_weights(1);
-        engine->init_adapters(2);
-        engine->train_step(random_batches(model, run, 1, 3));
-        engine->eval_loss_sum(random_batches(model, run, 1, 4)[0]);
-        EXPECT_EQ(engine->memory().verify_against(engine.plan().records), "");
-        EXPECT_EQ(engine->memory().allocator().high_water(), engine.plan().arena_bytes);
+        expect_step_follows_plan(engine, model, run);
       }
     }
   }
