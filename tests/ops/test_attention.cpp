@@ -194,6 +194,14 @@ AttentionResult run_flash(Backend& backend, const AttentionInputs& in, bool forw
   return r;
 }
 
+// out and the three grads of `got` against the naive reference, to fp32 rounding.
+void expect_matches_naive(const AttentionResult& got, const NaiveAttention& expected, const AttentionCase& c) {
+  EXPECT_LT(scaled_error(got.out.floats(), expected.out), 1e-5) << label(c);
+  EXPECT_LT(scaled_error(got.dq.floats(), expected.dq), 1e-5) << label(c);
+  EXPECT_LT(scaled_error(got.dk.floats(), expected.dk), 1e-5) << label(c);
+  EXPECT_LT(scaled_error(got.dv.floats(), expected.dv), 1e-5) << label(c);
+}
+
 }  // namespace
 
 TEST(CpuAttention, EagerMatchesNaive) {
@@ -203,11 +211,8 @@ TEST(CpuAttention, EagerMatchesNaive) {
     const AttentionInputs in = random_inputs(c, DType::f32, rng);
     const NaiveAttention expected = naive_attention(in);
     const AttentionResult got = run_eager(*backend, in);
-    EXPECT_LT(scaled_error(got.out.floats(), expected.out), 1e-5) << label(c);
+    expect_matches_naive(got, expected, c);
     EXPECT_LT(max_abs_error(got.probs.floats(), expected.probs), 1e-6) << label(c);
-    EXPECT_LT(scaled_error(got.dq.floats(), expected.dq), 1e-5) << label(c);
-    EXPECT_LT(scaled_error(got.dk.floats(), expected.dk), 1e-5) << label(c);
-    EXPECT_LT(scaled_error(got.dv.floats(), expected.dv), 1e-5) << label(c);
   }
 }
 
@@ -218,11 +223,8 @@ TEST(CpuAttention, FlashMatchesNaive) {
     const AttentionInputs in = random_inputs(c, DType::f32, rng);
     const NaiveAttention expected = naive_attention(in);
     const AttentionResult got = run_flash(*backend, in);
-    EXPECT_LT(scaled_error(got.out.floats(), expected.out), 1e-5) << label(c);
+    expect_matches_naive(got, expected, c);
     EXPECT_LT(max_abs_error(got.lse.floats(), expected.lse), 1e-5) << label(c);
-    EXPECT_LT(scaled_error(got.dq.floats(), expected.dq), 1e-5) << label(c);
-    EXPECT_LT(scaled_error(got.dk.floats(), expected.dk), 1e-5) << label(c);
-    EXPECT_LT(scaled_error(got.dv.floats(), expected.dv), 1e-5) << label(c);
   }
 }
 

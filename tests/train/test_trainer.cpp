@@ -19,6 +19,7 @@
 #include "memtune/ops/backend.h"
 #include "memtune/train/engine_arena.h"
 #include "../support/engine_setup.h"
+#include "../support/expect_error.h"
 
 using namespace memtune;
 namespace fs = std::filesystem;
@@ -236,12 +237,8 @@ TEST(Trainer, ResumingWithOtherDataIsRefused) {
   ASSERT_EQ(train(run, random_dataset({8, 8, 8}, 1), options).outcome.exit_code, 0);
   options.resume_from = options.out_dir / "checkpoint-2";
   run.max_steps = 3;
-  try {
-    train(run, random_dataset({8, 8, 9}, 1), options);
-    FAIL() << "resumed on other data";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("resume with the same data"), std::string::npos) << e.what();
-  }
+  EXPECT_CONTAINS(memtune::test::error_of([&] { train(run, random_dataset({8, 8, 9}, 1), options); }),
+                  "resume with the same data");
 }
 
 void plant_nan_in_a_frozen_weight(Engine& engine) {
@@ -277,15 +274,10 @@ TEST(Trainer, NonFiniteLossStopsNamingTheStepAndKeepsTheLastGoodCheckpoint) {
     };
     std::ostringstream out, err;
     Trainer trainer(engine.engine(), data, nullptr, options, out, err);
-    try {
-      trainer.run();
-      FAIL() << "a NaN loss did not stop the run";
-    } catch (const Error& e) {
-      const std::string message = e.what();
-      EXPECT_NE(message.find("step 3: the loss is nan"), std::string::npos) << message;
-      EXPECT_NE(message.find("the last good checkpoint"), std::string::npos) << message;
-      EXPECT_NE(message.find("step 2"), std::string::npos) << message;
-    }
+    const std::string message = memtune::test::error_of([&] { trainer.run(); });  // a NaN loss stops the run
+    EXPECT_CONTAINS(message, "step 3: the loss is nan");
+    EXPECT_CONTAINS(message, "the last good checkpoint");
+    EXPECT_CONTAINS(message, "step 2");
     EXPECT_EQ(read_json_file(options.out_dir / "checkpoint-2/trainer_state.json")["step"], 2);
     EXPECT_FALSE(fs::exists(options.out_dir / "adapter"));
     const SafetensorsCheckpoint saved = SafetensorsCheckpoint::open(options.out_dir / "checkpoint-2", "adapter_model.safetensors");
@@ -324,16 +316,10 @@ TEST(Trainer, FullDiskWhileSavingKeepsThePreviousCheckpointAndSaysSo) {
   std::ostringstream out, err;
   const Dataset data = random_dataset({10, 10}, 2);
   Trainer trainer(engine.engine(), data, nullptr, options, out, err);
-  try {
-    trainer.run();
-    FAIL() << "the failed save was not reported";
-  } catch (const Error& e) {
-    const std::string message = e.what();
-    EXPECT_NE(message.find("saving the checkpoint"), std::string::npos) << message;
-    EXPECT_NE(message.find("No space left on device"), std::string::npos) << message;
-    EXPECT_NE(message.find("the last good checkpoint (" + checkpoint.string() + ", step 1) is kept"), std::string::npos)
-        << message;
-  }
+  const std::string message = memtune::test::error_of([&] { trainer.run(); });  // the failed save is reported
+  EXPECT_CONTAINS(message, "saving the checkpoint");
+  EXPECT_CONTAINS(message, "No space left on device");
+  EXPECT_CONTAINS(message, "the last good checkpoint (" + checkpoint.string() + ", step 1) is kept");
   EXPECT_EQ(read_json_file(checkpoint / "trainer_state.json")["step"], 1);
   ASSERT_FALSE(previous_optimizer.empty());
   EXPECT_EQ(read_file(checkpoint / "optimizer.safetensors"), previous_optimizer);
