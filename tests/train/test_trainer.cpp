@@ -37,6 +37,15 @@ fs::path temp_dir(const std::string& name) {
   return dir;
 }
 
+// A quiet run that saves a checkpoint every `save_steps` steps into a fresh temp_dir(name).
+TrainerOptions checkpointing_options(const std::string& name, int64_t save_steps) {
+  TrainerOptions options;
+  options.quiet = true;
+  options.save_steps = save_steps;
+  options.out_dir = temp_dir(name);
+  return options;
+}
+
 // Samples of the given lengths with random ids; the first `masked` labels of every third
 // sample are -100 (a prompt), and token 1 of sample i is 1 + i so that a row can be told apart.
 Dataset random_dataset(const std::vector<int>& lengths, uint64_t seed, int masked = 2) {
@@ -265,10 +274,7 @@ TEST(Trainer, NonFiniteLossStopsNamingTheStepAndKeepsTheLastGoodCheckpoint) {
     auto cpu = make_cpu_backend();
     PlannedEngine engine(*cpu, run, small_model());
     init_with_nonzero_b(engine.engine());
-    TrainerOptions options;
-    options.quiet = true;
-    options.save_steps = 2;
-    options.out_dir = temp_dir(std::string("nan_") + std::string(precision_name(precision)));
+    TrainerOptions options = checkpointing_options("nan_" + std::string(precision_name(precision)), 2);
     options.after_step = [&](int64_t step, const StepReport&) {
       if (step == 2) plant_nan_in_a_frozen_weight(engine.engine());
     };
@@ -299,10 +305,7 @@ TEST(Trainer, FullDiskWhileSavingKeepsThePreviousCheckpointAndSaysSo) {
   auto cpu = make_cpu_backend();
   PlannedEngine engine(*cpu, run, small_model());
   init_with_nonzero_b(engine.engine());
-  TrainerOptions options;
-  options.quiet = true;
-  options.save_steps = 1;
-  options.out_dir = temp_dir("disk_full");
+  TrainerOptions options = checkpointing_options("disk_full", 1);
   const fs::path checkpoint = options.out_dir / "checkpoint-1";
   std::string previous_optimizer;
   // The second save's optimizer file goes to /dev/full: every write to it fails with ENOSPC,
