@@ -13,7 +13,9 @@
 #include <cstring>
 #include <string>
 
+#include "memtune/io/json_util.h"
 #include "memtune/io/safetensors.h"
+#include "../support/fixtures.h"
 
 namespace memtune::clitest {
 
@@ -46,9 +48,7 @@ inline std::filesystem::path scratch_dir(const std::string& name) {
   return dir;
 }
 
-inline std::filesystem::path golden(const std::string& name) {
-  return std::filesystem::path(MEMTUNE_SOURCE_DIR) / "tests/fixtures/golden" / name;
-}
+inline std::filesystem::path golden(const std::string& name) { return test::golden_dir(name); }
 
 // A golden case's batch (tests/fixtures/golden/<name>/batch.safetensors) as JSON lines of
 // input_ids and labels at `path`, the form `memtune eval --data` reads; returns `path`.
@@ -69,11 +69,6 @@ inline std::filesystem::path write_golden_batch_jsonl(const std::string& name, c
     out << nlohmann::json{{"input_ids", row_ids}, {"labels", row_labels}}.dump() << "\n";
   }
   return path;
-}
-
-inline nlohmann::json read_json(const std::filesystem::path& path) {
-  std::ifstream in(path);
-  return nlohmann::json::parse(in);
 }
 
 }  // namespace memtune::clitest

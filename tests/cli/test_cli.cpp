@@ -78,7 +78,7 @@ TEST(CliPlan, Llama31_70bPlansWellUnderASecond) {
 }
 
 TEST(CliPlan, RunYamlSetsDefaultsThatFlagsOverride) {
-  const std::string yaml = (fs::path(MEMTUNE_SOURCE_DIR) / "configs/runs/llama-3.1-8b_lora_bf16.yaml").string();
+  const std::string yaml = memtune::test::source_path("configs/runs/llama-3.1-8b_lora_bf16.yaml").string();
   const nlohmann::json from_yaml = plan_json("--config " + yaml);
   EXPECT_EQ(from_yaml["run"]["max_seq_length"], 2048);
   EXPECT_EQ(from_yaml["run"]["precision"], "bf16");
@@ -556,7 +556,7 @@ TEST(CliErrors, BadTrainingDataGetsAClearMessageAndNonZeroExit) {
   const std::string utf8 = write_lines(dir / "utf8.jsonl", {"{\"text\": \"caf\xC3\"}"});
   const std::string masked = write_lines(dir / "masked.jsonl", {R"({"messages": [{"role": "user", "content": "hi"}]})"});
   const std::string some_bad = write_lines(dir / "some_bad.jsonl", {R"({"text": "good"})", "{oops", R"({"text": "fine"})"});
-  nlohmann::json config = nlohmann::json::parse(std::ifstream(fs::path(MEMTUNE_SOURCE_DIR) / "configs/models/tiny.json"));
+  nlohmann::json config = memtune::read_json_file(memtune::test::source_path("configs/models/tiny.json"));
   config["vocab_size"] = 200;
   config["bos_token_id"] = 1;
   config["eos_token_id"] = 2;

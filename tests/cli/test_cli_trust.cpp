@@ -82,7 +82,7 @@ TEST(CliAdapterConfig, EvalAndInitAdapterTakeTheAdaptersSettingsAndRefuseContrad
   // train --init-adapter continues with the file's settings and writes them back.
   ASSERT_EQ(run_memtune("train " + common + " --init-adapter " + adapter + " --max_steps 1 --quiet --out " +
                         (dir / "b").string()).exit_code, 0);
-  const nlohmann::json continued = read_json(dir / "b/adapter/adapter_config.json");
+  const nlohmann::json continued = memtune::read_json_file(dir / "b/adapter/adapter_config.json");
   EXPECT_EQ(continued["lora_alpha"], 32);
   EXPECT_EQ(continued["r"], 16);
   expect_refused(run_memtune("train " + common + " --init-adapter " + adapter + " --lora_r 8 --max_steps 1 --quiet"),
@@ -96,7 +96,7 @@ TEST(CliAdapterConfig, EvalAndInitAdapterTakeTheAdaptersSettingsAndRefuseContrad
     const fs::path copy = dir / name;
     fs::create_directories(copy);
     fs::copy_file(fs::path(adapter) / "adapter_model.safetensors", copy / "adapter_model.safetensors");
-    nlohmann::json config = read_json(fs::path(adapter) / "adapter_config.json");
+    nlohmann::json config = memtune::read_json_file(fs::path(adapter) / "adapter_config.json");
     edit(config);
     write_text(copy / "adapter_config.json", config.dump(2));
     return copy.string();
@@ -153,12 +153,12 @@ TEST(CliOut, AFreshRunRefusesAnotherRunsFolderUnlessToldToOverwriteIt) {
   const std::string common = "train --device cpu --seq 16 --quiet --data " + text_data(dir);
   const fs::path out = dir / "out";
   ASSERT_EQ(run_memtune(common + " --max_steps 3 --out " + out.string()).exit_code, 0);
-  const std::string before = read_json(out / "checkpoint-3/trainer_state.json").dump();
+  const std::string before = memtune::read_json_file(out / "checkpoint-3/trainer_state.json").dump();
   const Result again = run_memtune(common + " --max_steps 2 --out " + out.string());
   expect_refused(again, "is not empty", "a second fresh run into one --out");
   EXPECT_NE(again.output.find("--resume " + out.string()), std::string::npos) << again.output;
   EXPECT_NE(again.output.find("--overwrite_output_dir"), std::string::npos) << again.output;
-  EXPECT_EQ(read_json(out / "checkpoint-3/trainer_state.json").dump(), before);
+  EXPECT_EQ(memtune::read_json_file(out / "checkpoint-3/trainer_state.json").dump(), before);
 
   // Overwritten, and it diverges (every gradient vanishes at this learning rate): the previous
   // run's checkpoint is gone and is never called this run's last good one.
@@ -267,7 +267,7 @@ TEST(CliErrors, ACpuRunLargerThanTheHostIsRefusedBeforeItAllocates) {
 
 TEST(CliErrors, ModelSizesBeyondRealModelsAreAClearError) {
   const fs::path dir = scratch_dir("trust_sizes");
-  nlohmann::json config = read_json(fs::path(MEMTUNE_SOURCE_DIR) / "configs/models/tiny.json");
+  nlohmann::json config = memtune::read_json_file(memtune::test::source_path("configs/models/tiny.json"));
   config["hidden_size"] = int64_t{1} << 40;
   fs::create_directories(dir / "huge");
   write_text(dir / "huge/config.json", config.dump());
@@ -330,7 +330,7 @@ TEST(CliLadder, StartsFromFp32WhenAskedAndNeedsStepsToJudgeStability) {
   const std::string ladder = "ladder --model tiny --device cpu --seq 32 --steps-per-rung 1 --quiet ";
   const Result r = run_memtune(ladder + "--order fp32,bf16 --out " + (dir / "order").string());
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  const nlohmann::json json = read_json(dir / "order/ladder.json");
+  const nlohmann::json json = memtune::read_json_file(dir / "order/ladder.json");
   EXPECT_EQ(json["rungs"][0]["name"], "fp32 baseline");
   EXPECT_EQ(json["rungs"][1]["added"], "bf16");
   const std::string report = [&] {
@@ -340,7 +340,7 @@ TEST(CliLadder, StartsFromFp32WhenAskedAndNeedsStepsToJudgeStability) {
   EXPECT_EQ(report.find("No fp32 rung on this run"), std::string::npos) << report;
   const Result flag = run_memtune(ladder + "--fp32 --order bf16 --out " + (dir / "flag").string());
   ASSERT_EQ(flag.exit_code, 0) << flag.output;
-  EXPECT_EQ(read_json(dir / "flag/ladder.json")["rungs"][0]["name"], "fp32 baseline");
+  EXPECT_EQ(memtune::read_json_file(dir / "flag/ladder.json")["rungs"][0]["name"], "fp32 baseline");
   expect_refused(run_memtune(ladder + "--order bf16,fp32"), "put it first in --order", "fp32 after a trick");
 }
 

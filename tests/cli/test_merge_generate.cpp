@@ -33,7 +33,7 @@ using namespace memtune::clitest;
 
 
 
-fs::path example(const std::string& name) { return fs::path(MEMTUNE_SOURCE_DIR) / "examples" / name; }
+fs::path example(const std::string& name) { return memtune::test::source_path("examples/" + name); }
 
 
 std::vector<float> floats(const SafetensorsTensor& t) {
@@ -48,7 +48,7 @@ std::map<std::string, std::vector<double>> expected_merge(const std::string& nam
   const LlamaConfig config = LlamaConfig::from_file(golden(name) / "config.json");
   const SafetensorsFile base = SafetensorsFile::open(golden(name) / "model.safetensors");
   const SafetensorsFile adapter = SafetensorsFile::open(golden(name) / "adapter/adapter_model.safetensors");
-  const nlohmann::json adapter_config = read_json(golden(name) / "adapter/adapter_config.json");
+  const nlohmann::json adapter_config = read_json_file(golden(name) / "adapter/adapter_config.json");
   const double scale = adapter_config["lora_alpha"].get<double>() / adapter_config["r"].get<double>();
   std::map<std::string, std::vector<double>> out;
   for (const ParamSpec& spec : base_parameter_table(config)) {
@@ -96,7 +96,7 @@ TEST(CliMerge, ShardedMergedWeightsEqualBasePlusScaledDelta) {
   EXPECT_NE(r.output.find("14 merged projections"), std::string::npos) << r.output;
 
   // The index: every parameter once, shards that exist and hold exactly what the map says.
-  const nlohmann::json index = read_json(out / "model.safetensors.index.json");
+  const nlohmann::json index = read_json_file(out / "model.safetensors.index.json");
   const nlohmann::json& weight_map = index["weight_map"];
   const LlamaConfig config = LlamaConfig::from_file(golden("gqa_rope") / "config.json");
   const std::vector<ParamSpec> table = base_parameter_table(config);
@@ -115,7 +115,7 @@ TEST(CliMerge, ShardedMergedWeightsEqualBasePlusScaledDelta) {
   }
   EXPECT_EQ(index["metadata"]["total_size"].get<uint64_t>(), total);
   EXPECT_FALSE(fs::exists(out / "model.safetensors"));
-  EXPECT_EQ(read_json(out / "config.json")["dtype"], "float32");
+  EXPECT_EQ(read_json_file(out / "config.json")["dtype"], "float32");
   EXPECT_TRUE(fs::exists(out / "generation_config.json"));
 
   // The values, through the reader transformers-style loading uses (the directory's index).
@@ -144,7 +144,7 @@ TEST(CliMerge, Bf16OutputOfATiedModelInOneFile) {
                                (golden("tied_odd") / "adapter").string() + " --out " + out.string() + " --dtype bf16");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_FALSE(fs::exists(out / "model.safetensors.index.json"));
-  EXPECT_EQ(read_json(out / "config.json")["dtype"], "bfloat16");
+  EXPECT_EQ(read_json_file(out / "config.json")["dtype"], "bfloat16");
   const SafetensorsFile merged = SafetensorsFile::open(out / "model.safetensors");
   EXPECT_EQ(merged.find("lm_head.weight"), nullptr);  // tied: the head is the embedding
   const auto expected = expected_merge("tied_odd");
@@ -173,7 +173,7 @@ TEST(CliMerge, FailureLeavesAnExistingOutputIntactAndSuccessReplacesIt) {
   std::ofstream(out / "sentinel.txt") << "from the previous merge\n";
   // An adapter whose config does not match its tensors (r 5 instead of 4).
   fs::create_directories(dir / "bad_adapter");
-  nlohmann::json config = read_json(golden("gqa_rope") / "adapter/adapter_config.json");
+  nlohmann::json config = read_json_file(golden("gqa_rope") / "adapter/adapter_config.json");
   config["r"] = 5;
   std::ofstream(dir / "bad_adapter/adapter_config.json") << config.dump(2);
   fs::copy_file(golden("gqa_rope") / "adapter/adapter_model.safetensors", dir / "bad_adapter/adapter_model.safetensors");
@@ -182,7 +182,7 @@ TEST(CliMerge, FailureLeavesAnExistingOutputIntactAndSuccessReplacesIt) {
   EXPECT_NE(bad.exit_code, 0);
   EXPECT_NE(bad.output.find("shape"), std::string::npos) << bad.output;
   EXPECT_TRUE(fs::exists(out / "sentinel.txt"));
-  EXPECT_EQ(read_json(out / "config.json")["old"], true);
+  EXPECT_EQ(read_json_file(out / "config.json")["old"], true);
   for (const auto& entry : fs::directory_iterator(dir))  // no staging folder left behind
     EXPECT_EQ(entry.path().filename().string().find(".merge-"), std::string::npos) << entry.path();
 
@@ -233,7 +233,7 @@ fs::path write_4bit_fixture(const fs::path& dir, std::map<std::string, std::vect
   const fs::path folder = dir / "gqa_rope_4bit";
   fs::create_directories(folder);
   write_safetensors(folder / "model.safetensors", entries, {{"format", "pt"}});
-  nlohmann::json config_json = read_json(golden("gqa_rope") / "config.json");
+  nlohmann::json config_json = read_json_file(golden("gqa_rope") / "config.json");
   config_json["quantization_config"] = quantization_config_json(quant, DType::f32);
   std::ofstream(folder / "config.json") << config_json.dump(2);
   return folder;
@@ -248,7 +248,7 @@ TEST(CliMerge, DequantizesABitsandbytes4bitBase) {
                                " --out " + out.string());
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("dequantized"), std::string::npos) << r.output;
-  const nlohmann::json config = read_json(out / "config.json");
+  const nlohmann::json config = read_json_file(out / "config.json");
   EXPECT_FALSE(config.contains("quantization_config"));
   EXPECT_EQ(config["dtype"], "float32");
   // Merged = dequantized W + (the fp32 merge's delta, which is merged - W for the dense base).
@@ -274,7 +274,7 @@ TEST(CliMerge, DequantizesABitsandbytes4bitBase) {
 }
 
 TEST(CliGenerate, GreedyJsonEqualsTransformersAndSamplingIsSeeded) {
-  const nlohmann::json fixture = read_json(fs::path(MEMTUNE_SOURCE_DIR) / "tests/fixtures/generate/greedy.json");
+  const nlohmann::json fixture = memtune::test::read_json_fixture("generate/greedy.json");
   int checked = 0;
   for (const nlohmann::json& c : fixture["cases"]) {
     if (!c["adapter"].get<bool>() || c["prompt_ids"].size() < 3) continue;

@@ -51,7 +51,7 @@ TEST(CliQuantize, WritesABitsandbytesFolderThatLoadsWithoutRequantizing) {
   for (const auto& entry : fs::directory_iterator(dir))  // no staging folder left behind
     EXPECT_TRUE(entry.path() == out) << entry.path();
 
-  const nlohmann::json config = read_json(out / "config.json");
+  const nlohmann::json config = read_json_file(out / "config.json");
   ASSERT_TRUE(config.contains("quantization_config")) << config.dump();
   const nlohmann::json& q = config["quantization_config"];
   EXPECT_EQ(q["quant_method"], "bitsandbytes");

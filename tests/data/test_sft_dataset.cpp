@@ -12,6 +12,7 @@
 
 #include "memtune/core/error.h"
 #include "memtune/data/tokenizer.h"
+#include "../support/fixtures.h"
 #include "../support/tokenizer_data.h"
 
 using namespace memtune;
@@ -94,7 +95,7 @@ TEST(SftSample, MessagesTrainTheAssistantTurnsOnlyOrEverything) {
 }
 
 TEST(SftSample, Llama3TokenizerUsesTheEosOfTokenizerConfig) {
-  const fs::path tokenizer_json = fs::path(MEMTUNE_SOURCE_DIR) / ".." / "shared/data/llama3-tokenizer/tokenizer.json";
+  const fs::path tokenizer_json = memtune::test::llama3_tokenizer_dir() / "tokenizer.json";
   ASSERT_TRUE(fs::exists(tokenizer_json)) << tokenizer_json;
   const Tokenizer llama3 = Tokenizer::from_file(tokenizer_json);
   // The shared tokenizer_config.json is Llama 3 Instruct's: eos_token <|eot_id|>.
@@ -108,7 +109,7 @@ TEST(SftSample, Llama3TokenizerUsesTheEosOfTokenizerConfig) {
 
 TEST(SftSample, EosTokenFromTokenizerConfigInBothSpellings) {
   const fs::path dir = temp_dir("eos_config");
-  const fs::path fixture = fs::path(MEMTUNE_SOURCE_DIR) / "tests/fixtures/tokenizer/tiny_tokenizer.json";
+  const fs::path fixture = memtune::test::fixture_path("tokenizer/tiny_tokenizer.json");
   fs::copy_file(fixture, dir / "tokenizer.json");
   const Tokenizer tokenizer = Tokenizer::from_file(dir / "tokenizer.json");
   EXPECT_FALSE(eos_id_from_tokenizer_config(dir / "tokenizer.json", tokenizer).has_value());

@@ -3,7 +3,6 @@
 // the attended length (and the output) poisoned with NaN, so that reading one fails the test.
 // Then the whole generation path on the GPU: greedy tokens on the golden fixture models equal
 // transformers' (tests/fixtures/generate/greedy.json), and cached logits equal the full forward's.
-#include <fstream>
 #include <nlohmann/json.hpp>
 
 #include "gpu_test_util.h"
@@ -50,12 +49,11 @@ TEST_F(CudaDecodeTest, AttentionDecodeMatchesCpu) {
 }
 
 TEST_F(CudaDecodeTest, GenerationOnTheGpuEqualsTransformersGreedy) {
-  std::ifstream in(memtune::test::fixture_path("generate/greedy.json"));
-  const nlohmann::json fixture = nlohmann::json::parse(in);
+  const nlohmann::json fixture = test::read_json_fixture("generate/greedy.json");
   const int64_t max_new = fixture["max_new_tokens"].get<int64_t>();
   for (const nlohmann::json& c : fixture["cases"]) {
     const std::string name = c["fixture"];
-    const std::filesystem::path dir = memtune::test::fixture_path("golden/" + name);
+    const std::filesystem::path dir = test::golden_dir(name);
     const std::vector<int32_t> prompt = c["prompt_ids"].get<std::vector<int32_t>>();
     const LlamaConfig config = LlamaConfig::from_file(dir / "config.json");
     InferenceSetup setup;
@@ -74,7 +72,7 @@ TEST_F(CudaDecodeTest, GenerationOnTheGpuEqualsTransformersGreedy) {
 }
 
 TEST_F(CudaDecodeTest, CachedLogitsEqualTheFullForwardOnTheGpu) {
-  const std::filesystem::path dir = memtune::test::fixture_path("golden/gqa_rope");
+  const std::filesystem::path dir = test::golden_dir("gqa_rope");
   const LlamaConfig config = LlamaConfig::from_file(dir / "config.json");
   const std::vector<int32_t> ids = {1, 40, 7, 255, 3, 18, 99, 120, 61, 2, 44, 5, 230, 17, 8, 150, 77};
   const int64_t n = static_cast<int64_t>(ids.size());

@@ -4,11 +4,11 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
-#include <fstream>
 #include <nlohmann/json.hpp>
 
 #include "gpu_test_util.h"
 #include "../support/fixtures.h"
+#include "memtune/io/json_util.h"
 #include "memtune/io/safetensors.h"
 #include "memtune/model/llama_config.h"
 #include "memtune/ops/device.h"
@@ -117,12 +117,7 @@ TEST_F(CudaStepTest, WholeStepsMatchTheCpuInEveryPrecisionAndTechnique) {
 
 // ---- Hugging Face golden files on the GPU ---------------------------------------------------------
 
-fs::path golden_dir(const std::string& name) { return memtune::test::fixture_path("golden/" + name); }
-
-nlohmann::json read_json(const fs::path& path) {
-  std::ifstream in(path);
-  return nlohmann::json::parse(in);
-}
+using test::golden_dir;
 
 template <typename T>
 std::vector<T> values_of(const SafetensorsTensor& t) {
@@ -157,7 +152,7 @@ TEST_F(CudaStepTest, GoldenLossAndGradsInFp32AndBf16) {
         const SafetensorsFile forward = SafetensorsFile::open(dir / "forward.safetensors");
         const SafetensorsTensor& ids = batch_file.get("input_ids");
         const int64_t rows = ids.shape[0], seq = ids.shape[1];
-        const nlohmann::json adapter = read_json(dir / "adapter/adapter_config.json");
+        const nlohmann::json adapter = read_json_file(dir / "adapter/adapter_config.json");
         RunConfig run;
         run.precision = precision;
         run.attn_implementation = attention;

@@ -13,6 +13,7 @@
 #include "memtune/io/file_util.h"
 #include "memtune/io/safetensors.h"
 #include "../support/expect_error.h"
+#include "../support/fixtures.h"
 #include "../support/temp_dir.h"
 
 using namespace memtune;
@@ -251,7 +252,7 @@ TEST_F(SafetensorsTest, FailedWriteLeavesExistingFileIntact) {
 
 TEST(SafetensorsPythonFixture, ValuesMatchAndWriterReproducesTheBytes) {
   const fs::path path =
-      fs::path(MEMTUNE_SOURCE_DIR) / "tests/fixtures/safetensors/python_numpy.safetensors";
+      memtune::test::fixture_path("safetensors/python_numpy.safetensors");
   const SafetensorsFile file = SafetensorsFile::open(path);
   EXPECT_EQ(file.metadata(), (SafetensorsMetadata{{"format", "np"}}));
 

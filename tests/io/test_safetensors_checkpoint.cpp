@@ -15,6 +15,7 @@
 #include "memtune/io/json_util.h"
 #include "memtune/io/safetensors.h"
 #include "../support/expect_error.h"
+#include "../support/fixtures.h"
 #include "../support/temp_dir.h"
 
 using namespace memtune;
@@ -311,6 +312,6 @@ TEST(SafetensorsFuzzSeeds, WriteSeedCorpus) {
     EXPECT_NO_THROW(SafetensorsFile::open(seeds / (name + ".safetensors")));
   }
   fs::copy_file(
-      fs::path(MEMTUNE_SOURCE_DIR) / "tests/fixtures/safetensors/python_numpy.safetensors",
+      memtune::test::fixture_path("safetensors/python_numpy.safetensors"),
       seeds / "python_numpy.safetensors", fs::copy_options::overwrite_existing);
 }

@@ -14,6 +14,7 @@
 #include "memtune/train/engine_arena.h"
 #include "../support/engine_setup.h"
 #include "../support/expect_error.h"
+#include "../support/fixtures.h"
 
 using namespace memtune;
 using namespace memtune::enginetest;
@@ -22,7 +23,7 @@ namespace fs = std::filesystem;
 namespace {
 
 fs::path family_config_path(const std::string& name) {
-  return fs::path(MEMTUNE_SOURCE_DIR) / "tests/fixtures/families" / (name + ".json");
+  return memtune::test::fixture_path("families/" + name + ".json");
 }
 
 LlamaConfig family_model(const std::string& name) {
@@ -173,12 +174,7 @@ TEST_P(Family, PlannedArenaEqualsAllocated) {
         run.lora_dropout = mlp_chunk > 0 ? 0.1 : 0.0;
         auto cpu = make_cpu_backend();
         PlannedEngine engine(*cpu, run, model);
-        engine->init_random_weights(1);
-        engine->init_adapters(2);
-        engine->train_step(random_batches(model, run, 1, 3));
-        engine->eval_loss_sum(random_batches(model, run, 1, 4)[0]);
-        EXPECT_EQ(engine->memory().verify_against(engine.plan().records), "");
-        EXPECT_EQ(engine->memory().allocator().high_water(), engine.plan().arena_bytes);
+        expect_step_follows_plan(engine, model, run);
       }
     }
   }

@@ -194,37 +194,32 @@ AttentionResult run_flash(Backend& backend, const AttentionInputs& in, bool forw
   return r;
 }
 
+// Every case of kCases through eager (with its probs) or flash (with its lse) attention against
+// the naive reference, to fp32 rounding; `seed` draws the inputs.
+void expect_every_case_matches_naive(bool flash, uint64_t seed) {
+  auto backend = make_cpu_backend();
+  std::mt19937_64 rng(seed);
+  for (const AttentionCase& c : kCases) {
+    const AttentionInputs in = random_inputs(c, DType::f32, rng);
+    const NaiveAttention expected = naive_attention(in);
+    const AttentionResult got = flash ? run_flash(*backend, in) : run_eager(*backend, in);
+    EXPECT_LT(scaled_error(got.out.floats(), expected.out), 1e-5) << label(c);
+    if (flash) {
+      EXPECT_LT(max_abs_error(got.lse.floats(), expected.lse), 1e-5) << label(c);
+    } else {
+      EXPECT_LT(max_abs_error(got.probs.floats(), expected.probs), 1e-6) << label(c);
+    }
+    EXPECT_LT(scaled_error(got.dq.floats(), expected.dq), 1e-5) << label(c);
+    EXPECT_LT(scaled_error(got.dk.floats(), expected.dk), 1e-5) << label(c);
+    EXPECT_LT(scaled_error(got.dv.floats(), expected.dv), 1e-5) << label(c);
+  }
+}
+
 }  // namespace
 
-TEST(CpuAttention, EagerMatchesNaive) {
-  auto backend = make_cpu_backend();
-  std::mt19937_64 rng(31);
-  for (const AttentionCase& c : kCases) {
-    const AttentionInputs in = random_inputs(c, DType::f32, rng);
-    const NaiveAttention expected = naive_attention(in);
-    const AttentionResult got = run_eager(*backend, in);
-    EXPECT_LT(scaled_error(got.out.floats(), expected.out), 1e-5) << label(c);
-    EXPECT_LT(max_abs_error(got.probs.floats(), expected.probs), 1e-6) << label(c);
-    EXPECT_LT(scaled_error(got.dq.floats(), expected.dq), 1e-5) << label(c);
-    EXPECT_LT(scaled_error(got.dk.floats(), expected.dk), 1e-5) << label(c);
-    EXPECT_LT(scaled_error(got.dv.floats(), expected.dv), 1e-5) << label(c);
-  }
-}
+TEST(CpuAttention, EagerMatchesNaive) { expect_every_case_matches_naive(/*flash=*/false, 31); }
 
-TEST(CpuAttention, FlashMatchesNaive) {
-  auto backend = make_cpu_backend();
-  std::mt19937_64 rng(32);
-  for (const AttentionCase& c : kCases) {
-    const AttentionInputs in = random_inputs(c, DType::f32, rng);
-    const NaiveAttention expected = naive_attention(in);
-    const AttentionResult got = run_flash(*backend, in);
-    EXPECT_LT(scaled_error(got.out.floats(), expected.out), 1e-5) << label(c);
-    EXPECT_LT(max_abs_error(got.lse.floats(), expected.lse), 1e-5) << label(c);
-    EXPECT_LT(scaled_error(got.dq.floats(), expected.dq), 1e-5) << label(c);
-    EXPECT_LT(scaled_error(got.dk.floats(), expected.dk), 1e-5) << label(c);
-    EXPECT_LT(scaled_error(got.dv.floats(), expected.dv), 1e-5) << label(c);
-  }
-}
+TEST(CpuAttention, FlashMatchesNaive) { expect_every_case_matches_naive(/*flash=*/true, 32); }
 
 TEST(CpuAttention, EagerEqualsFlashAtFp32) {
   auto backend = make_cpu_backend();

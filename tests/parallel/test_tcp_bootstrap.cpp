@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <functional>
 #include <thread>
 
 #include "memtune/core/error.h"
@@ -55,6 +56,23 @@ std::string error_text(const std::exception_ptr& e) {
   }
 }
 
+// Runs body(0) ... body(count - 1), each on a thread of its own, and returns what each threw
+// (null where it threw nothing).
+std::vector<std::exception_ptr> errors_of_threads(int count, const std::function<void(int)>& body) {
+  std::vector<std::exception_ptr> errors(static_cast<size_t>(count));
+  std::vector<std::thread> threads;
+  for (int i = 0; i < count; ++i)
+    threads.emplace_back([&, i] {
+      try {
+        body(i);
+      } catch (...) {
+        errors[static_cast<size_t>(i)] = std::current_exception();
+      }
+    });
+  for (auto& t : threads) t.join();
+  return errors;
+}
+
 }  // namespace
 
 TEST(TcpBootstrap, EveryRankGetsRankZerosBlob) {
@@ -89,18 +107,10 @@ TEST(TcpBootstrap, APeerTimesOutWhenRankZeroNeverAppears) {
 
 TEST(TcpBootstrap, RankZeroTimesOutNamingTheMissingRanks) {
   const int port = free_port();
-  std::vector<std::exception_ptr> errors(3);
-  std::vector<std::thread> threads;
-  for (int rank : {0, 1}) {
-    threads.emplace_back([&, rank] {
-      try {
-        bootstrap_broadcast(options(port, rank, 3, 800ms), rank == 0 ? std::vector<uint8_t>{9} : std::vector<uint8_t>{});
-      } catch (...) {
-        errors[static_cast<size_t>(rank)] = std::current_exception();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
+  // Ranks 0 and 1 of 3.
+  const auto errors = errors_of_threads(2, [&](int rank) {
+    bootstrap_broadcast(options(port, rank, 3, 800ms), rank == 0 ? std::vector<uint8_t>{9} : std::vector<uint8_t>{});
+  });
   ASSERT_TRUE(errors[0]);
   EXPECT_NE(error_text(errors[0]).find("only 2 of 3 ranks arrived (missing: 2)"), std::string::npos)
       << error_text(errors[0]);
@@ -157,18 +167,10 @@ TEST(TcpBootstrap, APeerThatDiesIsAnErrorOnRankZero) {
 
 TEST(TcpBootstrap, TwoProcessesClaimingOneRankAreRefused) {
   const int port = free_port();
-  std::vector<std::exception_ptr> errors(3);
-  std::vector<std::thread> threads;
-  for (int i = 0; i < 3; ++i)
-    threads.emplace_back([&, i] {
-      try {
-        const int rank = i == 0 ? 0 : 1;  // threads 1 and 2 both say rank 1
-        bootstrap_broadcast(options(port, rank, 3, 2s), rank == 0 ? std::vector<uint8_t>{5} : std::vector<uint8_t>{});
-      } catch (...) {
-        errors[static_cast<size_t>(i)] = std::current_exception();
-      }
-    });
-  for (auto& t : threads) t.join();
+  const auto errors = errors_of_threads(3, [&](int i) {
+    const int rank = i == 0 ? 0 : 1;  // threads 1 and 2 both say rank 1
+    bootstrap_broadcast(options(port, rank, 3, 2s), rank == 0 ? std::vector<uint8_t>{5} : std::vector<uint8_t>{});
+  });
   ASSERT_TRUE(errors[0]);
   EXPECT_NE(error_text(errors[0]).find("two processes say they are rank 1"), std::string::npos)
       << error_text(errors[0]);

@@ -16,6 +16,7 @@
 #include "memtune/quant/bnb_format.h"
 #include "memtune/quant/codebook.h"
 #include "memtune/quant/nf4.h"
+#include "../support/fixtures.h"
 
 using namespace memtune;
 
@@ -66,7 +67,7 @@ struct Fixture {
 };
 
 std::string fixture_dir(const char* device) {
-  return std::string(MEMTUNE_SOURCE_DIR) + "/tests/fixtures/nf4/" + device;
+  return memtune::test::fixture_path(std::string("nf4/") + device).string();
 }
 
 uint32_t bits_of(float value) {

@@ -1,7 +1,9 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <functional>
 #include <map>
+#include <optional>
 #include <random>
 
 #include "memtune/core/error.h"
@@ -133,107 +135,73 @@ TEST(QuantBnbFormat, RoundTrip) {
   }
 }
 
+namespace {
+
+// The message from_bnb_arrays gives for a weight's arrays after `edit` ("" when it accepts them).
+std::string error_after_edit(const QuantizedWeight& w, const std::function<void(Store&)>& edit,
+                             const std::optional<Shape>& expected_shape = std::nullopt) {
+  Store store(to_bnb_arrays(w, kPrefix));
+  edit(store);
+  return error_of([&] { from_bnb_arrays(store.lookup(), kPrefix, expected_shape); });
+}
+
+// Replaces `from` by `to` in the quant state's JSON.
+void edit_quant_state(Store& store, const std::string& from, const std::string& to) {
+  const std::vector<uint8_t>& bytes = store.at(".quant_state.bitsandbytes__nf4").bytes;
+  std::string json(bytes.begin(), bytes.end());
+  json.replace(json.find(from), from.size(), to);
+  store.set_json(".quant_state.bitsandbytes__nf4", json);
+}
+
+}  // namespace
+
 TEST(QuantBnbFormat, MissingAndInconsistentEntries) {
   const QuantizedWeight w = sample_weight(QuantType::nf4, true);
   const std::string base = kPrefix + ".weight";
-  {
-    Store store(to_bnb_arrays(w, kPrefix));
-    store.arrays.erase(base + ".quant_state.bitsandbytes__nf4");
-    EXPECT_NE(error_of([&] { from_bnb_arrays(store.lookup(), kPrefix); }).find("no quant state"),
-              std::string::npos);
-  }
-  {
-    Store store(to_bnb_arrays(w, kPrefix));
-    store.arrays.erase(base + ".absmax");
-    const std::string m = error_of([&] { from_bnb_arrays(store.lookup(), kPrefix); });
-    EXPECT_NE(m.find("missing '" + base + ".absmax'"), std::string::npos) << m;
-  }
-  {
-    Store store(to_bnb_arrays(w, kPrefix));
-    store.arrays.erase(base + ".nested_quant_map");
-    EXPECT_NE(error_of([&] { from_bnb_arrays(store.lookup(), kPrefix); }).find("nested_quant_map"),
-              std::string::npos);
-  }
-  {
-    Store store(to_bnb_arrays(w, kPrefix));
-    store.arrays.erase(base + ".nested_absmax");  // JSON still has nested_offset
-    EXPECT_NE(error_of([&] { from_bnb_arrays(store.lookup(), kPrefix); }).find("must come together"),
-              std::string::npos);
-  }
-  {
-    Store store(to_bnb_arrays(w, kPrefix));
-    store.at(".absmax").bytes.pop_back();
-    store.at(".absmax").shape = Shape{36};
-    const std::string m = error_of([&] { from_bnb_arrays(store.lookup(), kPrefix); });
-    EXPECT_NE(m.find("expected 37 elements"), std::string::npos) << m;
-  }
-  {
-    Store store(to_bnb_arrays(w, kPrefix));
-    store.at("").bytes.resize(100);
-    store.at("").shape = Shape{100, 1};
-    const std::string m = error_of([&] { from_bnb_arrays(store.lookup(), kPrefix); });
-    EXPECT_NE(m.find("needs 1155 bytes"), std::string::npos) << m;
-  }
-  {
-    Store store(to_bnb_arrays(w, kPrefix));
-    const std::string m =
-        error_of([&] { from_bnb_arrays(store.lookup(), kPrefix, Shape{70, 33}); });
-    EXPECT_NE(m.find("shape [33, 70] but the model expects [70, 33]"), std::string::npos) << m;
-  }
-  {
-    Store store(to_bnb_arrays(w, kPrefix));
-    std::string json(store.at(".quant_state.bitsandbytes__nf4").bytes.begin(),
-                     store.at(".quant_state.bitsandbytes__nf4").bytes.end());
-    json.replace(json.find("\"nf4\""), 5, "\"int4\"");
-    store.set_json(".quant_state.bitsandbytes__nf4", json);
-    const std::string m = error_of([&] { from_bnb_arrays(store.lookup(), kPrefix); });
-    EXPECT_NE(m.find("unknown 4-bit quant type 'int4'"), std::string::npos) << m;
-  }
-  {
-    Store store(to_bnb_arrays(w, kPrefix));
-    std::string json(store.at(".quant_state.bitsandbytes__nf4").bytes.begin(),
-                     store.at(".quant_state.bitsandbytes__nf4").bytes.end());
-    json.replace(json.find("\"nf4\""), 5, "\"fp4\"");
-    store.set_json(".quant_state.bitsandbytes__nf4", json);
-    const std::string m = error_of([&] { from_bnb_arrays(store.lookup(), kPrefix); });
-    EXPECT_NE(m.find("contradicts"), std::string::npos) << m;
-  }
-  {
-    Store store(to_bnb_arrays(w, kPrefix));
-    std::string json(store.at(".quant_state.bitsandbytes__nf4").bytes.begin(),
-                     store.at(".quant_state.bitsandbytes__nf4").bytes.end());
-    json.replace(json.find("\"blocksize\": 64"), 15, "\"blocksize\": 48");
-    store.set_json(".quant_state.bitsandbytes__nf4", json);
-    const std::string m = error_of([&] { from_bnb_arrays(store.lookup(), kPrefix); });
-    EXPECT_NE(m.find("blocksize 48"), std::string::npos) << m;
-  }
-  {
-    Store store(to_bnb_arrays(w, kPrefix));
-    store.set_json(".quant_state.bitsandbytes__nf4", "{not json");
-    EXPECT_NE(error_of([&] { from_bnb_arrays(store.lookup(), kPrefix); }).find("not valid JSON"),
-              std::string::npos);
-  }
-  {
-    Store store(to_bnb_arrays(w, kPrefix));
-    float* map = reinterpret_cast<float*>(store.at(".quant_map").bytes.data());
-    map[3] = 0.25f;
-    EXPECT_NE(error_of([&] { from_bnb_arrays(store.lookup(), kPrefix); }).find("quant_map'[3]"),
-              std::string::npos);
-  }
-  {
-    Store store(to_bnb_arrays(w, kPrefix));
-    NamedArray twin = store.at(".quant_state.bitsandbytes__nf4");
-    twin.name = base + ".quant_state.bitsandbytes__fp4";
-    store.arrays[twin.name] = twin;
-    EXPECT_NE(error_of([&] { from_bnb_arrays(store.lookup(), kPrefix); }).find("both"),
-              std::string::npos);
-  }
-  {
-    Store store(to_bnb_arrays(w, kPrefix));
-    store.at(".nested_absmax").dtype = DType::bf16;
-    EXPECT_NE(error_of([&] { from_bnb_arrays(store.lookup(), kPrefix); }).find("has dtype bf16"),
-              std::string::npos);
-  }
+  const auto erase = [&](const std::string& suffix) {
+    return [&, suffix](Store& store) { store.arrays.erase(base + suffix); };
+  };
+  EXPECT_CONTAINS(error_after_edit(w, erase(".quant_state.bitsandbytes__nf4")), "no quant state");
+  EXPECT_CONTAINS(error_after_edit(w, erase(".absmax")), "missing '" + base + ".absmax'");
+  EXPECT_CONTAINS(error_after_edit(w, erase(".nested_quant_map")), "nested_quant_map");
+  EXPECT_CONTAINS(error_after_edit(w, erase(".nested_absmax")), "must come together");  // JSON still has nested_offset
+  EXPECT_CONTAINS(error_after_edit(w,
+                                   [](Store& store) {
+                                     store.at(".absmax").bytes.pop_back();
+                                     store.at(".absmax").shape = Shape{36};
+                                   }),
+                  "expected 37 elements");
+  EXPECT_CONTAINS(error_after_edit(w,
+                                   [](Store& store) {
+                                     store.at("").bytes.resize(100);
+                                     store.at("").shape = Shape{100, 1};
+                                   }),
+                  "needs 1155 bytes");
+  EXPECT_CONTAINS(error_after_edit(w, [](Store&) {}, Shape{70, 33}), "shape [33, 70] but the model expects [70, 33]");
+  EXPECT_CONTAINS(error_after_edit(w, [](Store& store) { edit_quant_state(store, "\"nf4\"", "\"int4\""); }),
+                  "unknown 4-bit quant type 'int4'");
+  EXPECT_CONTAINS(error_after_edit(w, [](Store& store) { edit_quant_state(store, "\"nf4\"", "\"fp4\""); }),
+                  "contradicts");
+  EXPECT_CONTAINS(error_after_edit(w, [](Store& store) {
+                    edit_quant_state(store, "\"blocksize\": 64", "\"blocksize\": 48");
+                  }),
+                  "blocksize 48");
+  EXPECT_CONTAINS(error_after_edit(w, [](Store& store) { store.set_json(".quant_state.bitsandbytes__nf4", "{not json"); }),
+                  "not valid JSON");
+  EXPECT_CONTAINS(error_after_edit(w,
+                                   [](Store& store) {
+                                     reinterpret_cast<float*>(store.at(".quant_map").bytes.data())[3] = 0.25f;
+                                   }),
+                  "quant_map'[3]");
+  EXPECT_CONTAINS(error_after_edit(w,
+                                   [&](Store& store) {
+                                     NamedArray twin = store.at(".quant_state.bitsandbytes__nf4");
+                                     twin.name = base + ".quant_state.bitsandbytes__fp4";
+                                     store.arrays[twin.name] = twin;
+                                   }),
+                  "both");
+  EXPECT_CONTAINS(error_after_edit(w, [](Store& store) { store.at(".nested_absmax").dtype = DType::bf16; }),
+                  "has dtype bf16");
 }
 
 TEST(QuantBnbFormat, OtherQuantStorageIsAccepted) {

@@ -10,11 +10,12 @@
 
 #include "report_test_util.h"
 #include "memtune/io/json_util.h"
+#include "../support/fixtures.h"
 
 namespace memtune::report_test {
 
 nlohmann::json load_fixture(std::string_view name) {
-  return read_json_file(std::filesystem::path(MEMTUNE_SOURCE_DIR) / "tests/fixtures/report" / name);
+  return test::read_json_fixture("report/" + std::string(name));
 }
 
 // RFC 4180: quoted fields may hold commas, doubled quotes and line breaks; rows end in CRLF or LF.

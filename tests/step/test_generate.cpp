@@ -14,13 +14,13 @@
 #include "memtune/io/safetensors.h"
 #include "memtune/ops/backend.h"
 #include "memtune/step/llama_generate.h"
+#include "../support/fixtures.h"
 
 using namespace memtune;
+using memtune::test::golden_dir;
 namespace fs = std::filesystem;
 
 namespace {
-
-fs::path golden(const std::string& name) { return fs::path(MEMTUNE_SOURCE_DIR) / "tests/fixtures/golden" / name; }
 
 struct Session {
   std::unique_ptr<Backend> backend = make_cpu_backend();
@@ -28,10 +28,10 @@ struct Session {
   std::unique_ptr<InferenceModel> model;
 
   Session(const std::string& fixture, bool adapter, int64_t capacity, int64_t max_chunk, bool all_logits = false)
-      : config(LlamaConfig::from_file(golden(fixture) / "config.json")) {
+      : config(LlamaConfig::from_file(golden_dir(fixture) / "config.json")) {
     InferenceSetup setup;
-    setup.checkpoint_dir = golden(fixture);
-    if (adapter) setup.adapter_dir = golden(fixture) / "adapter";
+    setup.checkpoint_dir = golden_dir(fixture);
+    if (adapter) setup.adapter_dir = golden_dir(fixture) / "adapter";
     setup.generator.capacity = capacity;
     setup.generator.max_chunk = max_chunk;
     setup.generator.all_logits = all_logits;
@@ -41,8 +41,7 @@ struct Session {
 };
 
 nlohmann::json greedy_fixture() {
-  std::ifstream in(fs::path(MEMTUNE_SOURCE_DIR) / "tests/fixtures/generate/greedy.json");
-  return nlohmann::json::parse(in);
+  return memtune::test::read_json_fixture("generate/greedy.json");
 }
 
 TEST(Generate, GreedyTokensEqualTransformersGenerate) {
@@ -62,7 +61,7 @@ TEST(Generate, GreedyTokensEqualTransformersGenerate) {
       Session session(name, c["adapter"].get<bool>(), static_cast<int64_t>(prompt.size()) + max_new, chunk);
       SamplingOptions options;
       options.max_new_tokens = max_new;
-      options.stop_ids = stop_token_ids(session.config, golden(name));
+      options.stop_ids = stop_token_ids(session.config, golden_dir(name));
       const GenerationResult result = generate_tokens(session.generator(), prompt, options);
       EXPECT_EQ(result.tokens, expected) << what << ", chunk " << chunk;
       EXPECT_EQ(result.stop_reason, c["stop_reason"].get<std::string>()) << what;
@@ -73,8 +72,8 @@ TEST(Generate, GreedyTokensEqualTransformersGenerate) {
 TEST(Generate, FullForwardEqualsTransformersLogits) {
   // And the families beyond Llama: Qwen2's biases, Qwen3's per-head q/k norm, Mistral.
   for (const char* name : {"gqa_rope", "tied_odd", "qwen2_bias", "qwen3_qk_norm", "mistral_head_dim"}) {
-    const SafetensorsFile batch = SafetensorsFile::open(golden(name) / "batch.safetensors");
-    const SafetensorsFile forward = SafetensorsFile::open(golden(name) / "forward.safetensors");
+    const SafetensorsFile batch = SafetensorsFile::open(golden_dir(name) / "batch.safetensors");
+    const SafetensorsFile forward = SafetensorsFile::open(golden_dir(name) / "forward.safetensors");
     const SafetensorsTensor& ids = batch.get("input_ids");
     const SafetensorsTensor& logits = forward.get("logits");
     const int64_t rows = ids.shape[0], seq = ids.shape[1], vocab = logits.shape[2];

@@ -2,6 +2,8 @@
 // run, and seeded micro-batches with some padding, the same on every backend.
 #pragma once
 
+#include <gtest/gtest.h>
+
 #include <array>
 #include <cmath>
 #include <vector>
@@ -10,6 +12,7 @@
 #include "memtune/model/llama_config.h"
 #include "memtune/ops/backend.h"
 #include "memtune/train/engine.h"
+#include "memtune/train/engine_arena.h"
 
 namespace memtune::enginetest {
 
@@ -72,6 +75,17 @@ inline void init_with_nonzero_b(Engine& engine) {
   for (const LoraTensors& t : engine.lora().tensors())
     engine.backend().fill_random(t.b, Backend::Distribution::normal, 0.0f, 0.05f, 3);
   engine.lora().sync_compute_copies(engine.backend());
+}
+
+// One seeded train step and one eval on a planned engine; then the real run's allocations are the
+// plan's: the same sequence, at the same offsets, with the same peak.
+inline void expect_step_follows_plan(PlannedEngine& engine, const LlamaConfig& model, const RunConfig& run) {
+  engine->init_random_weights(1);
+  engine->init_adapters(2);
+  engine->train_step(random_batches(model, run, 1, 3));
+  engine->eval_loss_sum(random_batches(model, run, 1, 4)[0]);
+  EXPECT_EQ(engine->memory().verify_against(engine.plan().records), "");
+  EXPECT_EQ(engine->memory().allocator().high_water(), engine.plan().arena_bytes);
 }
 
 // A tensor's values as f32 on the host, whatever its dtype.

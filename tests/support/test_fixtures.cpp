@@ -41,6 +41,21 @@ TEST_F(FixturesTest, AMissingFixtureFailsWithItsPath) {
   }
 }
 
+// configs/ and examples/ come through the same lookup; a parsed fixture that is missing names its
+// path, not the parser's "unexpected end of input".
+TEST_F(FixturesTest, OtherCheckoutFilesAndParsedFixtures) {
+  EXPECT_TRUE(fs::is_regular_file(source_path("configs/models/tiny.json")));
+  EXPECT_EQ(read_json_fixture("generate/greedy.json").type(), nlohmann::json::value_t::object);
+  try {
+    read_json_fixture("golden/no_such_case/config.json");
+    FAIL() << "expected a missing fixture to throw";
+  } catch (const std::runtime_error& error) {
+    const std::string message = error.what();
+    EXPECT_NE(message.find("golden/no_such_case/config.json"), std::string::npos) << message;
+    EXPECT_EQ(message.find("unexpected end of input"), std::string::npos) << message;
+  }
+}
+
 // A copy of the checkout at another path (as a device run gets one): MEMTUNE_SOURCE_DIR names it.
 TEST_F(FixturesTest, MemtuneSourceDirPointsAtAnotherCheckout) {
   fs::create_directories(dir_ / "tests" / "fixtures" / "report");

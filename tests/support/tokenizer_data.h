@@ -28,9 +28,7 @@ inline std::filesystem::path llama3_tokenizer_dir() {
   return source_root() / ".." / "shared" / "data" / "llama3-tokenizer";
 }
 
-inline std::filesystem::path tokenizer_fixture_dir() {
-  return source_root() / "tests" / "fixtures" / "tokenizer";
-}
+inline std::filesystem::path tokenizer_fixture_dir() { return fixture_path("tokenizer"); }
 
 // The real Llama 3 tokenizer, loaded once per test binary (it takes a fraction of a second).
 // The data must be there: CI clones the repo with shared/ beside it, so a missing file is a

@@ -55,13 +55,7 @@ TEST(Engine, PlannedArenaEqualsAllocatedAndNoLiveBuffersOverlap) {
         run.mlp_chunk_tokens = mlp_chunk;
         auto cpu = make_cpu_backend();
         PlannedEngine engine(*cpu, run, model);
-        engine->init_random_weights(1);
-        engine->init_adapters(2);
-        engine->train_step(random_batches(model, run, 1, 3));
-        engine->eval_loss_sum(random_batches(model, run, 1, 4)[0]);
-        // The same sequence of allocations, at the same offsets, with the same peak.
-        EXPECT_EQ(engine->memory().verify_against(engine.plan().records), "");
-        EXPECT_EQ(engine->memory().allocator().high_water(), engine.plan().arena_bytes);
+        expect_step_follows_plan(engine, model, run);
         // No two buffers alive at the same time share a byte.
         const auto& records = engine.plan().records;
         for (size_t i = 0; i < records.size(); ++i) {

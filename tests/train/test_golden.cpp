@@ -10,15 +10,13 @@
 #include "memtune/io/safetensors.h"
 #include "memtune/ops/backend.h"
 #include "memtune/train/engine_arena.h"
+#include "../support/fixtures.h"
 
 using namespace memtune;
+using memtune::test::golden_dir;
 namespace fs = std::filesystem;
 
 namespace {
-
-fs::path golden_dir(const std::string& name) {
-  return fs::path(MEMTUNE_SOURCE_DIR) / "tests/fixtures/golden" / name;
-}
 
 std::vector<float> floats_of(const SafetensorsTensor& t) {
   EXPECT_EQ(t.dtype, DType::f32);
@@ -65,11 +63,6 @@ RunConfig golden_run(const nlohmann::json& adapter_config, int64_t batch, int64_
   return run;
 }
 
-nlohmann::json read_json(const fs::path& path) {
-  std::ifstream in(path);
-  return nlohmann::json::parse(in);
-}
-
 // Rows of [rows, seq] int32 tensors, as sequences.
 std::vector<std::vector<int32_t>> rows_of(const std::vector<int32_t>& flat, size_t offset,
                                           int64_t rows, int64_t seq) {
@@ -89,7 +82,7 @@ TEST_P(Golden, LossAndLoraGradsMatchHuggingFace) {
   const SafetensorsTensor& ids = batch_file.get("input_ids");
   const int64_t rows = ids.shape[0], seq = ids.shape[1];
   auto cpu = make_cpu_backend();
-  PlannedEngine engine(*cpu, golden_run(read_json(dir / "adapter/adapter_config.json"), rows, seq), model);
+  PlannedEngine engine(*cpu, golden_run(read_json_file(dir / "adapter/adapter_config.json"), rows, seq), model);
   engine->load_base_checkpoint(dir / "model.safetensors");
   engine->load_adapter(dir / "adapter");
   const HostMicroBatch batch = make_micro_batch(rows_of(ints_of(ids), 0, rows, seq),
@@ -112,12 +105,12 @@ TEST_P(Golden, FiveAdamWStepsWithAccumulationAndClippingMatch) {
   const fs::path dir = golden_dir(GetParam());
   const LlamaConfig model = LlamaConfig::from_file(dir / "config.json");
   const SafetensorsFile train = SafetensorsFile::open(dir / "train.safetensors");
-  const nlohmann::json expected = read_json(dir / "train.json");
+  const nlohmann::json expected = read_json_file(dir / "train.json");
   const SafetensorsTensor& ids_t = train.get("input_ids");  // [step, micro, batch, seq]
   const int64_t steps = ids_t.shape[0], micro = ids_t.shape[1], rows = ids_t.shape[2], seq = ids_t.shape[3];
   const std::vector<int32_t> ids = ints_of(ids_t), labels = ints_of(train.get("labels"));
   auto cpu = make_cpu_backend();
-  PlannedEngine engine(*cpu, golden_run(read_json(dir / "adapter/adapter_config.json"), rows, seq), model);
+  PlannedEngine engine(*cpu, golden_run(read_json_file(dir / "adapter/adapter_config.json"), rows, seq), model);
   engine->load_base_checkpoint(dir / "model.safetensors");
   engine->load_adapter(dir / "adapter");
   for (int64_t s = 0; s < steps; ++s) {

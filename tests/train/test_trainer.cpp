@@ -19,6 +19,7 @@
 #include "memtune/ops/backend.h"
 #include "memtune/train/engine_arena.h"
 #include "../support/engine_setup.h"
+#include "../support/expect_error.h"
 
 using namespace memtune;
 namespace fs = std::filesystem;
@@ -34,6 +35,15 @@ fs::path temp_dir(const std::string& name) {
   fs::remove_all(dir);
   fs::create_directories(dir);
   return dir;
+}
+
+// A quiet run that saves a checkpoint every `save_steps` steps into a fresh temp_dir(name).
+TrainerOptions checkpointing_options(const std::string& name, int64_t save_steps) {
+  TrainerOptions options;
+  options.quiet = true;
+  options.save_steps = save_steps;
+  options.out_dir = temp_dir(name);
+  return options;
 }
 
 // Samples of the given lengths with random ids; the first `masked` labels of every third
@@ -236,12 +246,8 @@ TEST(Trainer, ResumingWithOtherDataIsRefused) {
   ASSERT_EQ(train(run, random_dataset({8, 8, 8}, 1), options).outcome.exit_code, 0);
   options.resume_from = options.out_dir / "checkpoint-2";
   run.max_steps = 3;
-  try {
-    train(run, random_dataset({8, 8, 9}, 1), options);
-    FAIL() << "resumed on other data";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("resume with the same data"), std::string::npos) << e.what();
-  }
+  EXPECT_CONTAINS(memtune::test::error_of([&] { train(run, random_dataset({8, 8, 9}, 1), options); }),
+                  "resume with the same data");
 }
 
 void plant_nan_in_a_frozen_weight(Engine& engine) {
@@ -268,24 +274,16 @@ TEST(Trainer, NonFiniteLossStopsNamingTheStepAndKeepsTheLastGoodCheckpoint) {
     auto cpu = make_cpu_backend();
     PlannedEngine engine(*cpu, run, small_model());
     init_with_nonzero_b(engine.engine());
-    TrainerOptions options;
-    options.quiet = true;
-    options.save_steps = 2;
-    options.out_dir = temp_dir(std::string("nan_") + std::string(precision_name(precision)));
+    TrainerOptions options = checkpointing_options("nan_" + std::string(precision_name(precision)), 2);
     options.after_step = [&](int64_t step, const StepReport&) {
       if (step == 2) plant_nan_in_a_frozen_weight(engine.engine());
     };
     std::ostringstream out, err;
     Trainer trainer(engine.engine(), data, nullptr, options, out, err);
-    try {
-      trainer.run();
-      FAIL() << "a NaN loss did not stop the run";
-    } catch (const Error& e) {
-      const std::string message = e.what();
-      EXPECT_NE(message.find("step 3: the loss is nan"), std::string::npos) << message;
-      EXPECT_NE(message.find("the last good checkpoint"), std::string::npos) << message;
-      EXPECT_NE(message.find("step 2"), std::string::npos) << message;
-    }
+    const std::string message = memtune::test::error_of([&] { trainer.run(); });  // a NaN loss stops the run
+    EXPECT_CONTAINS(message, "step 3: the loss is nan");
+    EXPECT_CONTAINS(message, "the last good checkpoint");
+    EXPECT_CONTAINS(message, "step 2");
     EXPECT_EQ(read_json_file(options.out_dir / "checkpoint-2/trainer_state.json")["step"], 2);
     EXPECT_FALSE(fs::exists(options.out_dir / "adapter"));
     const SafetensorsCheckpoint saved = SafetensorsCheckpoint::open(options.out_dir / "checkpoint-2", "adapter_model.safetensors");
@@ -307,10 +305,7 @@ TEST(Trainer, FullDiskWhileSavingKeepsThePreviousCheckpointAndSaysSo) {
   auto cpu = make_cpu_backend();
   PlannedEngine engine(*cpu, run, small_model());
   init_with_nonzero_b(engine.engine());
-  TrainerOptions options;
-  options.quiet = true;
-  options.save_steps = 1;
-  options.out_dir = temp_dir("disk_full");
+  TrainerOptions options = checkpointing_options("disk_full", 1);
   const fs::path checkpoint = options.out_dir / "checkpoint-1";
   std::string previous_optimizer;
   // The second save's optimizer file goes to /dev/full: every write to it fails with ENOSPC,
@@ -324,16 +319,10 @@ TEST(Trainer, FullDiskWhileSavingKeepsThePreviousCheckpointAndSaysSo) {
   std::ostringstream out, err;
   const Dataset data = random_dataset({10, 10}, 2);
   Trainer trainer(engine.engine(), data, nullptr, options, out, err);
-  try {
-    trainer.run();
-    FAIL() << "the failed save was not reported";
-  } catch (const Error& e) {
-    const std::string message = e.what();
-    EXPECT_NE(message.find("saving the checkpoint"), std::string::npos) << message;
-    EXPECT_NE(message.find("No space left on device"), std::string::npos) << message;
-    EXPECT_NE(message.find("the last good checkpoint (" + checkpoint.string() + ", step 1) is kept"), std::string::npos)
-        << message;
-  }
+  const std::string message = memtune::test::error_of([&] { trainer.run(); });  // the failed save is reported
+  EXPECT_CONTAINS(message, "saving the checkpoint");
+  EXPECT_CONTAINS(message, "No space left on device");
+  EXPECT_CONTAINS(message, "the last good checkpoint (" + checkpoint.string() + ", step 1) is kept");
   EXPECT_EQ(read_json_file(checkpoint / "trainer_state.json")["step"], 1);
   ASSERT_FALSE(previous_optimizer.empty());
   EXPECT_EQ(read_file(checkpoint / "optimizer.safetensors"), previous_optimizer);

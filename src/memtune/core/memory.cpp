@@ -6,21 +6,30 @@
 
 namespace memtune {
 
-std::string_view category_name(MemCategory category) {
-  static constexpr std::string_view names[kNumMemCategories] = {
-      "frozen_weights",    "quant_constants",       "adapters",          "adapter_grads",
-      "optimizer_state",   "saved_activations",     "transient_activations",
-      "attention_scratch", "logits_loss",           "workspace"};
-  return names[static_cast<int>(category)];
-}
+namespace {
 
-std::string_view category_label(MemCategory category) {
-  static constexpr std::string_view labels[kNumMemCategories] = {
-      "frozen weights",    "quant constants",       "adapters",          "adapter grads",
-      "optimizer state",   "saved activations",     "transient activations",
-      "attention scratch", "logits/loss",           "workspace"};
-  return labels[static_cast<int>(category)];
-}
+// One row per MemCategory, in its order: the name (JSON keys, CSV columns) and the label (tables).
+struct CategoryNames {
+  std::string_view name, label;
+};
+constexpr CategoryNames kCategoryNames[kNumMemCategories] = {
+    {"frozen_weights", "frozen weights"},
+    {"quant_constants", "quant constants"},
+    {"adapters", "adapters"},
+    {"adapter_grads", "adapter grads"},
+    {"optimizer_state", "optimizer state"},
+    {"saved_activations", "saved activations"},
+    {"transient_activations", "transient activations"},
+    {"attention_scratch", "attention scratch"},
+    {"logits_loss", "logits/loss"},
+    {"workspace", "workspace"},
+};
+
+}  // namespace
+
+std::string_view category_name(MemCategory category) { return kCategoryNames[static_cast<int>(category)].name; }
+
+std::string_view category_label(MemCategory category) { return kCategoryNames[static_cast<int>(category)].label; }
 
 uint64_t LifetimeAllocator::allocate(uint64_t bytes, MemCategory category) {
   const uint64_t size = std::max<uint64_t>(kAlignment, (bytes + kAlignment - 1) / kAlignment * kAlignment);

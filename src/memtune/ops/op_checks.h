@@ -25,6 +25,47 @@ using CheckTensor = void (*)(const Tensor& t, DType dtype, const char* what);
 void check_attention_inputs(const AttentionDims& dims, const Tensor& q, const Tensor& k, const Tensor& v,
                             CheckFloatTensor check_float);
 
+// An op's output or gradient beside the tensor it mirrors: readable, with as many elements.
+void check_float_like(const Tensor& t, const Tensor& like, const char* what, CheckFloatTensor check_float);
+
+// Attention's probabilities and their scratch: [batch, heads, seq, seq], readable.
+void check_attention_matrix(const Tensor& t, const AttentionDims& dims, const char* what,
+                            CheckFloatTensor check_float);
+
+// Attention's per-row statistics (lse, delta): f32, [batch, heads, seq].
+void check_attention_rows(const Tensor& t, const AttentionDims& dims, const char* what, CheckTensor check_tensor);
+
+// Eager attention's backward: the grads and d_out like q or k, probs and dprobs_scratch matrices.
+void check_attention_eager_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv,
+                                    const Tensor& dprobs_scratch, const Tensor& d_out, const Tensor& probs,
+                                    const Tensor& q, const Tensor& k, const AttentionDims& dims,
+                                    CheckFloatTensor check_float);
+
+// A fused attention's backward (flash, cuDNN): dq, d_out and out like q, dk and dv like k, and lse
+// one f32 row per (batch, head, position). `op` prefixes the messages.
+void check_fused_attention_backward(const char* op, const Tensor& dq, const Tensor& dk, const Tensor& dv,
+                                    const Tensor& d_out, const Tensor& out, const Tensor& lse, const Tensor& q,
+                                    const Tensor& k, const AttentionDims& dims, CheckFloatTensor check_float,
+                                    CheckTensor check_tensor);
+
+// RMSNorm: x and weight readable, rstd f32; one weight per column of x and one rstd per row.
+// `op` names the op in the messages.
+void check_rmsnorm_inputs(const char* op, const Tensor& x, const Tensor& weight, const Tensor& rstd,
+                          CheckFloatTensor check_float, CheckTensor check_tensor);
+
+// Decode attention: out and q hold one query row of every head per sequence, k_cache and v_cache
+// the same number of rows of kv width per sequence, and dims.seq (the cached rows attended to)
+// fits in them. Returns the cache's capacity in rows.
+int64_t check_attention_decode_inputs(const Tensor& out, const Tensor& q, const Tensor& k_cache,
+                                      const Tensor& v_cache, const AttentionDims& dims,
+                                      CheckFloatTensor check_float);
+
+// SwiGLU: every tensor readable and of out's (forward) or d_out's (backward) element count.
+void check_swiglu_forward_inputs(const Tensor& out, const Tensor& gate, const Tensor& up,
+                                 CheckFloatTensor check_float);
+void check_swiglu_backward_inputs(const Tensor& d_gate, const Tensor& d_up, const Tensor& d_out,
+                                  const Tensor& gate, const Tensor& up, CheckFloatTensor check_float);
+
 // c = op(a) @ op(b) on 2-D views: readable operands whose shapes agree. Returns the GEMM's sizes.
 struct MatmulSizes {
   int64_t m = 0, n = 0, k = 0;

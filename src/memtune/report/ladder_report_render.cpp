@@ -286,6 +286,22 @@ const LadderIsolateEntry& largest_saving(const std::vector<LadderIsolateEntry>& 
                            [](const auto& a, const auto& b) { return a.saving_bytes < b.saving_bytes; });
 }
 
+// An isolate list under its heading, then the sentence on the entry with the largest saving
+// (`entries` is not empty). `heading` names {rung} and {planned}, the reference rung's name and
+// planned peak; `most` names {trick}, {saving} and {share} (of the reference's planned peak).
+std::string isolate_section(const std::vector<LadderIsolateEntry>& entries, const LadderRung& reference,
+                            std::string_view heading, const std::vector<std::string>& headers,
+                            std::string_view most) {
+  const uint64_t planned = reference.planned_peak_bytes;
+  const LadderIsolateEntry& largest = largest_saving(entries);
+  return fmt::format(fmt::runtime(heading), fmt::arg("rung", reference.name),
+                     fmt::arg("planned", format_bytes(planned))) +
+         isolate_table(entries, planned, headers) +
+         fmt::format(fmt::runtime(most), fmt::arg("trick", largest.name),
+                     fmt::arg("saving", saving_bytes_text(largest.saving_bytes)),
+                     fmt::arg("share", percent_text(fraction_of(largest.saving_bytes, planned))));
+}
+
 }  // namespace
 
 std::string ladder_markdown(const json& value) {
@@ -515,24 +531,15 @@ std::string ladder_markdown(const json& value) {
     const LadderRung& base = ladder.rungs[ladder.baseline];
     const LadderRung& full = ladder.rungs.back();
     if (!ladder.isolate_alone.empty()) {
-      md += fmt::format("Each trick alone, added to \"{}\" ({} planned):\n\n", base.name,
-                        format_bytes(base.planned_peak_bytes));
-      md += isolate_table(ladder.isolate_alone, base.planned_peak_bytes,
-                          {"trick", "planned peak", "device peak", "tokens/s", "saving vs baseline"});
-      const LadderIsolateEntry& most = largest_saving(ladder.isolate_alone);
-      md += fmt::format("\nMatters most alone: **{}**, saving {} ({} of the baseline).\n\n", most.name,
-                        saving_bytes_text(most.saving_bytes),
-                        percent_text(fraction_of(most.saving_bytes, base.planned_peak_bytes)));
+      md += isolate_section(ladder.isolate_alone, base, "Each trick alone, added to \"{rung}\" ({planned} planned):\n\n",
+                            {"trick", "planned peak", "device peak", "tokens/s", "saving vs baseline"},
+                            "\nMatters most alone: **{trick}**, saving {saving} ({share} of the baseline).\n\n");
     }
     if (!ladder.isolate_removed.empty()) {
-      md += fmt::format("Each trick removed from the full stack, \"{}\" ({} planned):\n\n", full.name,
-                        format_bytes(full.planned_peak_bytes));
-      md += isolate_table(ladder.isolate_removed, full.planned_peak_bytes,
-                          {"trick removed", "planned peak without it", "device peak", "tokens/s", "cost of removing it"});
-      const LadderIsolateEntry& most = largest_saving(ladder.isolate_removed);
-      md += fmt::format("\nRemoval that hurts most: **{}**, adding {} ({} more than the full stack).\n\n", most.name,
-                        saving_bytes_text(most.saving_bytes),
-                        percent_text(fraction_of(most.saving_bytes, full.planned_peak_bytes)));
+      md += isolate_section(ladder.isolate_removed, full,
+                            "Each trick removed from the full stack, \"{rung}\" ({planned} planned):\n\n",
+                            {"trick removed", "planned peak without it", "device peak", "tokens/s", "cost of removing it"},
+                            "\nRemoval that hurts most: **{trick}**, adding {saving} ({share} more than the full stack).\n\n");
     }
     if (ladder.isolate_alone.empty() && ladder.isolate_removed.empty()) md += "The isolate run recorded no entries.\n\n";
   }

@@ -21,6 +21,16 @@ std::string num(double value) {
   return s;
 }
 
+// The points attribute of a polyline or polygon: "x1,y1 x2,y2 ...".
+std::string points_text(const std::vector<std::pair<double, double>>& points) {
+  std::string coordinates;
+  for (const auto& [x, y] : points) {
+    if (!coordinates.empty()) coordinates += ' ';
+    coordinates += num(x) + "," + num(y);
+  }
+  return coordinates;
+}
+
 // Length of the UTF-8 sequence starting at text[i] and its code point, or 0 when the bytes
 // there are not valid UTF-8 (overlong forms, surrogates and values past U+10FFFF included).
 size_t utf8_sequence(std::string_view text, size_t i, uint32_t& code_point) {
@@ -205,22 +215,12 @@ void Document::line(double x1, double y1, double x2, double y2, std::string_view
 
 void Document::polyline(const std::vector<std::pair<double, double>>& points,
                         std::string_view attributes) {
-  std::string coordinates;
-  for (const auto& [x, y] : points) {
-    if (!coordinates.empty()) coordinates += ' ';
-    coordinates += num(x) + "," + num(y);
-  }
-  body_ += fmt::format("<polyline points=\"{}\" {}/>\n", coordinates, attributes);
+  body_ += fmt::format("<polyline points=\"{}\" {}/>\n", points_text(points), attributes);
 }
 
 void Document::polygon(const std::vector<std::pair<double, double>>& points,
                        std::string_view attributes) {
-  std::string coordinates;
-  for (const auto& [x, y] : points) {
-    if (!coordinates.empty()) coordinates += ' ';
-    coordinates += num(x) + "," + num(y);
-  }
-  body_ += fmt::format("<polygon points=\"{}\" {}/>\n", coordinates, attributes);
+  body_ += fmt::format("<polygon points=\"{}\" {}/>\n", points_text(points), attributes);
 }
 
 void Document::circle(double cx, double cy, double r, std::string_view attributes) {

@@ -1,5 +1,6 @@
 #include "memtune/train/engine.h"
 
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <fstream>
@@ -23,6 +24,23 @@ int64_t HostMicroBatch::valid_targets() const {
 }
 
 namespace {
+
+// Writes f32 adapter-state tensors to one safetensors file through host copies: pick(spec,
+// tensors) gives each adapter's (key, tensor) pairs, in the file's order.
+template <typename Pick>
+void write_lora_safetensors(Backend& backend, const LoraState& lora, const std::filesystem::path& path,
+                            const SafetensorsMetadata& metadata, Pick pick) {
+  std::vector<std::vector<uint8_t>> host;  // a moved vector keeps its buffer: entries stay valid
+  std::vector<SafetensorsWriteEntry> entries;
+  for (size_t i = 0; i < lora.specs().size(); ++i) {
+    for (const auto& [key, tensor] : pick(lora.specs()[i], lora.tensors()[i])) {
+      host.emplace_back(tensor.nbytes());
+      backend.copy_to_host(host.back().data(), tensor);
+      entries.push_back({key, DType::f32, tensor.shape, host.back().data()});
+    }
+  }
+  write_safetensors(path, entries, metadata);
+}
 
 bool is_data_parallel(const Communicator* communicator) {
   return communicator != nullptr && communicator->world_size() > 1;
@@ -170,20 +188,11 @@ void Engine::load_adapter(const std::filesystem::path& adapter_dir) {
 
 void Engine::save_adapter(const std::filesystem::path& dir, const std::string& base_model) const {
   std::filesystem::create_directories(dir);
-  std::vector<std::vector<uint8_t>> host;
-  std::vector<SafetensorsWriteEntry> entries;
-  host.reserve(lora_.specs().size() * 2);
-  for (size_t i = 0; i < lora_.specs().size(); ++i) {
-    const LoraSpec& spec = lora_.specs()[i];
-    const LoraTensors& t = lora_.tensors()[i];
-    for (const auto& [key, tensor] : {std::pair{spec.a_key, t.a}, std::pair{spec.b_key, t.b}}) {
-      host.emplace_back(tensor.nbytes());
-      backend_.copy_to_host(host.back().data(), tensor);
-      entries.push_back({key, DType::f32, tensor.shape, host.back().data()});
-    }
-  }
   before_checkpoint_write(dir / "adapter_model.safetensors");
-  write_safetensors(dir / "adapter_model.safetensors", entries, {{"format", "pt"}});
+  write_lora_safetensors(backend_, lora_, dir / "adapter_model.safetensors", {{"format", "pt"}},
+                         [](const LoraSpec& spec, const LoraTensors& t) {
+                           return std::array{std::pair{spec.a_key, t.a}, std::pair{spec.b_key, t.b}};
+                         });
   const LoraConfig& lc = lora_.config();
   nlohmann::json targets = nlohmann::json::array();
   for (Projection p : lc.targets) targets.push_back(std::string(projection_name(p)));
@@ -207,22 +216,14 @@ void Engine::save_checkpoint(const std::filesystem::path& dir, const std::string
   try {
     fs::remove_all(staging);
     save_adapter(staging, base_model);
-    std::vector<std::vector<uint8_t>> host;
-    std::vector<SafetensorsWriteEntry> entries;
-    host.reserve(lora_.specs().size() * 4);
-    for (size_t i = 0; i < lora_.specs().size(); ++i) {
-      const LoraSpec& spec = lora_.specs()[i];
-      const LoraTensors& t = lora_.tensors()[i];
-      for (const auto& [key, tensor] :
-           {std::pair{spec.a_key + ".exp_avg", t.exp_avg_a}, std::pair{spec.a_key + ".exp_avg_sq", t.exp_avg_sq_a},
-            std::pair{spec.b_key + ".exp_avg", t.exp_avg_b}, std::pair{spec.b_key + ".exp_avg_sq", t.exp_avg_sq_b}}) {
-        host.emplace_back(tensor.nbytes());
-        backend_.copy_to_host(host.back().data(), tensor);
-        entries.push_back({key, DType::f32, tensor.shape, host.back().data()});
-      }
-    }
     before_checkpoint_write(staging / "optimizer.safetensors");
-    write_safetensors(staging / "optimizer.safetensors", entries, {{"format", "memtune"}});
+    write_lora_safetensors(backend_, lora_, staging / "optimizer.safetensors", {{"format", "memtune"}},
+                           [](const LoraSpec& spec, const LoraTensors& t) {
+                             return std::array{std::pair{spec.a_key + ".exp_avg", t.exp_avg_a},
+                                               std::pair{spec.a_key + ".exp_avg_sq", t.exp_avg_sq_a},
+                                               std::pair{spec.b_key + ".exp_avg", t.exp_avg_b},
+                                               std::pair{spec.b_key + ".exp_avg_sq", t.exp_avg_sq_b}};
+                           });
     nlohmann::json state = trainer_fields.is_object() ? trainer_fields : nlohmann::json::object();
     state["step"] = steps_done_;
     state["loss_scale"] = scaler_.scale;

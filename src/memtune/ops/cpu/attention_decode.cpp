@@ -7,30 +7,14 @@
 #include <vector>
 
 #include "memtune/ops/cpu/cpu_backend.h"
+#include "memtune/ops/op_checks.h"
 
 namespace memtune {
 
 void CpuBackend::attention_decode(const Tensor& out, const Tensor& q, const Tensor& k_cache,
                                   const Tensor& v_cache, const AttentionDims& dims) {
-  cpu::check_float_tensor(out, "attention_decode out");
-  cpu::check_float_tensor(q, "attention_decode q");
-  cpu::check_float_tensor(k_cache, "attention_decode k_cache");
-  cpu::check_float_tensor(v_cache, "attention_decode v_cache");
-  MT_ASSERT(dims.batch > 0 && dims.seq > 0 && dims.head_dim > 0 && dims.scale > 0.0f,
-            "attention_decode: dims not set");
-  MT_ASSERT(dims.n_heads > 0 && dims.n_kv_heads > 0 && dims.n_heads % dims.n_kv_heads == 0,
-            "attention_decode: {} query heads not a multiple of {} kv heads", dims.n_heads,
-            dims.n_kv_heads);
+  const int64_t capacity = check_attention_decode_inputs(out, q, k_cache, v_cache, dims, cpu::check_float_tensor);
   const int64_t d = dims.head_dim, heads = dims.n_heads, kv_dim = dims.n_kv_heads * d;
-  MT_ASSERT(q.numel() == dims.batch * heads * d && out.numel() == q.numel(),
-            "attention_decode q {} / out {} vs batch {} x {} heads x {}", q.shape.str(),
-            out.shape.str(), dims.batch, heads, d);
-  MT_ASSERT(k_cache.numel() == v_cache.numel() && k_cache.numel() % (dims.batch * kv_dim) == 0,
-            "attention_decode k_cache {} / v_cache {} vs batch {} x kv width {}",
-            k_cache.shape.str(), v_cache.shape.str(), dims.batch, kv_dim);
-  const int64_t capacity = k_cache.numel() / (dims.batch * kv_dim);
-  MT_ASSERT(dims.seq <= capacity, "attention_decode: {} cached rows in a cache of {}", dims.seq,
-            capacity);
   const int64_t kv_len = dims.seq, group = dims.group();
   const bool parallel = dims.batch * heads * kv_len * d >= cpu::kParallelMinElements;
 

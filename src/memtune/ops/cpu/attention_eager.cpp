@@ -13,26 +13,10 @@
 #include <vector>
 
 #include "memtune/ops/cpu/cpu_backend.h"
+#include "memtune/ops/op_checks.h"
 
 namespace memtune {
 namespace {
-
-void check_matrix(const Tensor& t, const AttentionDims& dims, const char* what) {
-  cpu::check_float_tensor(t, what);
-  MT_ASSERT(t.numel() == dims.batch * dims.n_heads * dims.seq * dims.seq,
-            "{} {} is not [batch {}, heads {}, seq {}, seq]", what, t.shape.str(), dims.batch,
-            dims.n_heads, dims.seq);
-}
-
-void check_like_q(const Tensor& t, const Tensor& q, const char* what) {
-  cpu::check_float_tensor(t, what);
-  MT_ASSERT(t.numel() == q.numel(), "{} {} vs q {}", what, t.shape.str(), q.shape.str());
-}
-
-void check_like_k(const Tensor& t, const Tensor& k, const char* what) {
-  cpu::check_float_tensor(t, what);
-  MT_ASSERT(t.numel() == k.numel(), "{} {} vs k {}", what, t.shape.str(), k.shape.str());
-}
 
 // Stores row[0, n) at offset of t and replaces it by what was stored (the rounded values).
 void store_and_round(const Tensor& t, int64_t offset, int64_t n, float* row) {
@@ -47,9 +31,9 @@ void CpuBackend::attention_eager_forward(const Tensor& out, const Tensor& probs,
                                          const Tensor& k, const Tensor& v,
                                          const Tensor& segments, const AttentionDims& dims) {
   const cpu::AttentionView view = cpu::make_attention_view(dims, q, k, v, segments);
-  check_like_q(out, q, "attention_eager_forward out");
-  check_matrix(probs, dims, "attention_eager_forward probs");
-  check_matrix(scores_scratch, dims, "attention_eager_forward scores_scratch");
+  check_float_like(out, q, "attention_eager_forward out", cpu::check_float_tensor);
+  check_attention_matrix(probs, dims, "attention_eager_forward probs", cpu::check_float_tensor);
+  check_attention_matrix(scores_scratch, dims, "attention_eager_forward scores_scratch", cpu::check_float_tensor);
   const int64_t seq = dims.seq, d = dims.head_dim, heads = dims.n_heads;
   const float negative_infinity = -std::numeric_limits<float>::infinity();
 
@@ -100,12 +84,7 @@ void CpuBackend::attention_eager_backward(const Tensor& dq, const Tensor& dk, co
                                           const Tensor& v, const Tensor& segments,
                                           const AttentionDims& dims) {
   const cpu::AttentionView view = cpu::make_attention_view(dims, q, k, v, segments);
-  check_like_q(dq, q, "attention_eager_backward dq");
-  check_like_q(d_out, q, "attention_eager_backward d_out");
-  check_like_k(dk, k, "attention_eager_backward dk");
-  check_like_k(dv, k, "attention_eager_backward dv");
-  check_matrix(probs, dims, "attention_eager_backward probs");
-  check_matrix(dprobs_scratch, dims, "attention_eager_backward dprobs_scratch");
+  check_attention_eager_backward(dq, dk, dv, dprobs_scratch, d_out, probs, q, k, dims, cpu::check_float_tensor);
   const int64_t seq = dims.seq, d = dims.head_dim, heads = dims.n_heads;
   const int64_t group = dims.group();
 

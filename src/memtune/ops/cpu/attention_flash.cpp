@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "memtune/ops/cpu/cpu_backend.h"
+#include "memtune/ops/op_checks.h"
 
 namespace memtune {
 namespace {
@@ -23,19 +24,6 @@ namespace {
 // Deliberately unequal, so that tests with a few dozen positions cross both kinds of block edge.
 constexpr int64_t kBlockQ = 32;
 constexpr int64_t kBlockK = 16;
-
-void check_rows(const Tensor& t, const AttentionDims& dims, const char* what) {
-  cpu::check_tensor(t, DType::f32, what);
-  MT_ASSERT(t.numel() == dims.batch * dims.n_heads * dims.seq,
-            "{} {} is not [batch {}, heads {}, seq {}]", what, t.shape.str(), dims.batch,
-            dims.n_heads, dims.seq);
-}
-
-void check_like(const Tensor& t, const Tensor& like, const char* what, const char* like_name) {
-  cpu::check_float_tensor(t, what);
-  MT_ASSERT(t.numel() == like.numel(), "{} {} vs {} {}", what, t.shape.str(), like_name,
-            like.shape.str());
-}
 
 // S tile for queries [i0, i1) and keys [j0, j1): dot * scale where visible, else -inf.
 // Returns whether any entry is visible.
@@ -65,8 +53,8 @@ void CpuBackend::attention_flash_forward(const Tensor& out, const Tensor& lse, c
                                          const Tensor& k, const Tensor& v,
                                          const Tensor& segments, const AttentionDims& dims) {
   const cpu::AttentionView view = cpu::make_attention_view(dims, q, k, v, segments);
-  check_like(out, q, "attention_flash_forward out", "q");
-  check_rows(lse, dims, "attention_flash_forward lse");
+  check_float_like(out, q, "attention_flash_forward out", cpu::check_float_tensor);
+  check_attention_rows(lse, dims, "attention_flash_forward lse", cpu::check_tensor);
   const int64_t seq = dims.seq, d = dims.head_dim, heads = dims.n_heads;
   const float negative_infinity = -std::numeric_limits<float>::infinity();
   float* lse_values = lse.as<float>();
@@ -132,13 +120,9 @@ void CpuBackend::attention_flash_backward(const Tensor& dq, const Tensor& dk, co
                                           const Tensor& k, const Tensor& v,
                                           const Tensor& segments, const AttentionDims& dims) {
   const cpu::AttentionView view = cpu::make_attention_view(dims, q, k, v, segments);
-  check_like(dq, q, "attention_flash_backward dq", "q");
-  check_like(d_out, q, "attention_flash_backward d_out", "q");
-  check_like(out, q, "attention_flash_backward out", "q");
-  check_like(dk, k, "attention_flash_backward dk", "k");
-  check_like(dv, k, "attention_flash_backward dv", "k");
-  check_rows(lse, dims, "attention_flash_backward lse");
-  check_rows(delta_scratch, dims, "attention_flash_backward delta_scratch");
+  check_fused_attention_backward("attention_flash_backward", dq, dk, dv, d_out, out, lse, q, k, dims,
+                                 cpu::check_float_tensor, cpu::check_tensor);
+  check_attention_rows(delta_scratch, dims, "attention_flash_backward delta_scratch", cpu::check_tensor);
   cpu::check_tensor(dq_accum_scratch, DType::f32, "attention_flash_backward dq_accum_scratch");
   MT_ASSERT(dq_accum_scratch.numel() == q.numel(),
             "attention_flash_backward dq_accum_scratch {} vs q {}",

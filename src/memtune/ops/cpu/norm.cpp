@@ -10,24 +10,13 @@
 #include <vector>
 
 #include "memtune/ops/cpu/cpu_backend.h"
+#include "memtune/ops/op_checks.h"
 
 namespace memtune {
-namespace {
-
-void check_norm_args(const char* op, const Tensor& x, const Tensor& weight, const Tensor& rstd) {
-  cpu::check_float_tensor(x, op);
-  cpu::check_float_tensor(weight, op);
-  cpu::check_tensor(rstd, DType::f32, op);
-  MT_ASSERT(x.shape.ndim >= 1 && weight.numel() == x.cols(), "{}: weight {} for x {}", op,
-            weight.shape.str(), x.shape.str());
-  MT_ASSERT(rstd.numel() == x.rows(), "{}: rstd {} for {} rows", op, rstd.shape.str(), x.rows());
-}
-
-}  // namespace
 
 void CpuBackend::rmsnorm_forward(const Tensor& out, const Tensor& rstd, const Tensor& x,
                                  const Tensor& weight, float eps) {
-  check_norm_args("rmsnorm_forward", x, weight, rstd);
+  check_rmsnorm_inputs("rmsnorm_forward", x, weight, rstd, cpu::check_float_tensor, cpu::check_tensor);
   cpu::check_float_tensor(out, "rmsnorm_forward out");
   MT_ASSERT(out.numel() == x.numel(), "rmsnorm_forward out {} for x {}", out.shape.str(),
             x.shape.str());
@@ -55,7 +44,7 @@ void CpuBackend::rmsnorm_forward(const Tensor& out, const Tensor& rstd, const Te
 
 void CpuBackend::rmsnorm_backward(const Tensor& dx, const Tensor& dy, const Tensor& x,
                                   const Tensor& weight, const Tensor& rstd, bool accumulate) {
-  check_norm_args("rmsnorm_backward", x, weight, rstd);
+  check_rmsnorm_inputs("rmsnorm_backward", x, weight, rstd, cpu::check_float_tensor, cpu::check_tensor);
   cpu::check_float_tensor(dx, "rmsnorm_backward dx");
   cpu::check_float_tensor(dy, "rmsnorm_backward dy");
   MT_ASSERT(dx.numel() == x.numel() && dy.numel() == x.numel(),

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "memtune/ops/cpu/cpu_backend.h"
+#include "memtune/ops/op_checks.h"
 
 namespace memtune {
 namespace {
@@ -16,12 +17,7 @@ inline float sigmoid(float g) { return 1.0f / (1.0f + std::exp(-g)); }
 }  // namespace
 
 void CpuBackend::swiglu_forward(const Tensor& out, const Tensor& gate, const Tensor& up) {
-  cpu::check_float_tensor(out, "swiglu_forward out");
-  cpu::check_float_tensor(gate, "swiglu_forward gate");
-  cpu::check_float_tensor(up, "swiglu_forward up");
-  MT_ASSERT(gate.numel() == out.numel() && up.numel() == out.numel(),
-            "swiglu_forward out {} gate {} up {}", out.shape.str(), gate.shape.str(),
-            up.shape.str());
+  check_swiglu_forward_inputs(out, gate, up, cpu::check_float_tensor);
   const int64_t n = out.numel();
   const int64_t chunks = (n + kChunk - 1) / kChunk;
 #pragma omp parallel if (n >= cpu::kParallelMinElements)
@@ -40,15 +36,8 @@ void CpuBackend::swiglu_forward(const Tensor& out, const Tensor& gate, const Ten
 
 void CpuBackend::swiglu_backward(const Tensor& d_gate, const Tensor& d_up, const Tensor& d_out,
                                  const Tensor& gate, const Tensor& up) {
-  cpu::check_float_tensor(d_gate, "swiglu_backward d_gate");
-  cpu::check_float_tensor(d_up, "swiglu_backward d_up");
-  cpu::check_float_tensor(d_out, "swiglu_backward d_out");
-  cpu::check_float_tensor(gate, "swiglu_backward gate");
-  cpu::check_float_tensor(up, "swiglu_backward up");
+  check_swiglu_backward_inputs(d_gate, d_up, d_out, gate, up, cpu::check_float_tensor);
   const int64_t n = d_out.numel();
-  MT_ASSERT(gate.numel() == n && up.numel() == n && d_gate.numel() == n && d_up.numel() == n,
-            "swiglu_backward d_out {} gate {} up {} d_gate {} d_up {}", d_out.shape.str(),
-            gate.shape.str(), up.shape.str(), d_gate.shape.str(), d_up.shape.str());
   const int64_t chunks = (n + kChunk - 1) / kChunk;
 #pragma omp parallel if (n >= cpu::kParallelMinElements)
   {

@@ -51,35 +51,6 @@ cuda::AttentionParams attention_params(const AttentionDims& dims, const Tensor& 
   return p;
 }
 
-void check_matrix(const Tensor& t, const AttentionDims& dims, const char* what) {
-  check_float_tensor(t, what);
-  MT_ASSERT(t.numel() == dims.batch * dims.n_heads * dims.seq * dims.seq,
-            "{} {} is not [batch {}, heads {}, seq {}, seq]", what, t.shape.str(), dims.batch,
-            dims.n_heads, dims.seq);
-}
-
-void check_rows(const Tensor& t, const AttentionDims& dims, const char* what) {
-  check_tensor(t, DType::f32, what);
-  MT_ASSERT(t.numel() == dims.batch * dims.n_heads * dims.seq,
-            "{} {} is not [batch {}, heads {}, seq {}]", what, t.shape.str(), dims.batch,
-            dims.n_heads, dims.seq);
-}
-
-// The shape checks every fused attention backward (flash, cuDNN) shares: the grads, d_out and out
-// match q or k, and lse holds one row per (batch, head, position). `op` prefixes the messages.
-void check_attention_backward_shapes(const char* op, const Tensor& dq, const Tensor& dk,
-                                     const Tensor& dv, const Tensor& d_out, const Tensor& out,
-                                     const Tensor& lse, const Tensor& q, const Tensor& k,
-                                     const AttentionDims& dims) {
-  const auto name = [op](const char* tensor) { return fmt::format("{} {}", op, tensor); };
-  check_same_count(dq, q, name("dq").c_str());
-  check_same_count(d_out, q, name("d_out").c_str());
-  check_same_count(out, q, name("out").c_str());
-  check_same_count(dk, k, name("dk").c_str());
-  check_same_count(dv, k, name("dv").c_str());
-  check_rows(lse, dims, name("lse").c_str());
-}
-
 }  // namespace
 
 bool cuda_device_available() {
@@ -329,33 +300,19 @@ void CudaBackend::embedding_forward(const Tensor& out, const Tensor& table, cons
                          ids.as<const int32_t>(), n, stream_);
 }
 
-namespace {
-void check_norm_args(const char* op, const Tensor& x, const Tensor& weight, const Tensor& rstd) {
-  check_float_tensor(x, op);
-  check_float_tensor(weight, op);
-  check_tensor(rstd, DType::f32, op);
-  MT_ASSERT(x.shape.ndim >= 1 && weight.numel() == x.cols(), "{}: weight {} for x {}", op,
-            weight.shape.str(), x.shape.str());
-  MT_ASSERT(rstd.numel() == x.rows(), "{}: rstd {} for {} rows", op, rstd.shape.str(), x.rows());
-}
-}  // namespace
-
 void CudaBackend::rmsnorm_forward(const Tensor& out, const Tensor& rstd, const Tensor& x,
                                   const Tensor& weight, float eps) {
-  check_norm_args("rmsnorm_forward", x, weight, rstd);
-  check_float_tensor(out, "rmsnorm_forward out");
-  check_same_count(out, x, "rmsnorm_forward out");
+  check_rmsnorm_inputs("rmsnorm_forward", x, weight, rstd, check_float_tensor, check_tensor);
+  check_float_like(out, x, "rmsnorm_forward out", check_float_tensor);
   cuda::launch_rmsnorm_forward(out.data, out.dtype, rstd.as<float>(), x.data, x.dtype,
                                weight.data, weight.dtype, x.rows(), x.cols(), eps, stream_);
 }
 
 void CudaBackend::rmsnorm_backward(const Tensor& dx, const Tensor& dy, const Tensor& x,
                                    const Tensor& weight, const Tensor& rstd, bool accumulate) {
-  check_norm_args("rmsnorm_backward", x, weight, rstd);
-  check_float_tensor(dx, "rmsnorm_backward dx");
-  check_float_tensor(dy, "rmsnorm_backward dy");
-  check_same_count(dx, x, "rmsnorm_backward dx");
-  check_same_count(dy, x, "rmsnorm_backward dy");
+  check_rmsnorm_inputs("rmsnorm_backward", x, weight, rstd, check_float_tensor, check_tensor);
+  check_float_like(dx, x, "rmsnorm_backward dx", check_float_tensor);
+  check_float_like(dy, x, "rmsnorm_backward dy", check_float_tensor);
   cuda::launch_rmsnorm_backward(dx.data, dx.dtype, dy.data, dy.dtype, x.data, x.dtype,
                                 weight.data, weight.dtype, rstd.as<const float>(), x.rows(),
                                 x.cols(), accumulate, stream_);
@@ -392,26 +349,14 @@ void CudaBackend::rope_backward(const Tensor& dx, const Tensor& positions, const
 }
 
 void CudaBackend::swiglu_forward(const Tensor& out, const Tensor& gate, const Tensor& up) {
-  check_float_tensor(out, "swiglu_forward out");
-  check_float_tensor(gate, "swiglu_forward gate");
-  check_float_tensor(up, "swiglu_forward up");
-  check_same_count(gate, out, "swiglu_forward gate");
-  check_same_count(up, out, "swiglu_forward up");
+  check_swiglu_forward_inputs(out, gate, up, check_float_tensor);
   cuda::launch_swiglu_forward(out.data, out.dtype, gate.data, gate.dtype, up.data, up.dtype,
                               out.numel(), stream_);
 }
 
 void CudaBackend::swiglu_backward(const Tensor& d_gate, const Tensor& d_up, const Tensor& d_out,
                                   const Tensor& gate, const Tensor& up) {
-  check_float_tensor(d_gate, "swiglu_backward d_gate");
-  check_float_tensor(d_up, "swiglu_backward d_up");
-  check_float_tensor(d_out, "swiglu_backward d_out");
-  check_float_tensor(gate, "swiglu_backward gate");
-  check_float_tensor(up, "swiglu_backward up");
-  check_same_count(gate, d_out, "swiglu_backward gate");
-  check_same_count(up, d_out, "swiglu_backward up");
-  check_same_count(d_gate, d_out, "swiglu_backward d_gate");
-  check_same_count(d_up, d_out, "swiglu_backward d_up");
+  check_swiglu_backward_inputs(d_gate, d_up, d_out, gate, up, check_float_tensor);
   cuda::launch_swiglu_backward(d_gate.data, d_gate.dtype, d_up.data, d_up.dtype, d_out.data,
                                d_out.dtype, gate.data, gate.dtype, up.data, up.dtype,
                                d_out.numel(), stream_);
@@ -424,10 +369,9 @@ void CudaBackend::attention_eager_forward(const Tensor& out, const Tensor& probs
                                           const Tensor& k, const Tensor& v,
                                           const Tensor& segments, const AttentionDims& dims) {
   const cuda::AttentionParams p = attention_params(dims, q, k, v, segments);
-  check_float_tensor(out, "attention_eager_forward out");
-  check_same_count(out, q, "attention_eager_forward out");
-  check_matrix(probs, dims, "attention_eager_forward probs");
-  check_matrix(scores_scratch, dims, "attention_eager_forward scores_scratch");
+  check_float_like(out, q, "attention_eager_forward out", check_float_tensor);
+  check_attention_matrix(probs, dims, "attention_eager_forward probs", check_float_tensor);
+  check_attention_matrix(scores_scratch, dims, "attention_eager_forward scores_scratch", check_float_tensor);
   ensure_workspace();
   cuda::attention_eager_forward(gemm_, p, out.data, out.dtype, probs.data, probs.dtype,
                                 scores_scratch.data, scores_scratch.dtype, q.data, q.dtype,
@@ -440,16 +384,7 @@ void CudaBackend::attention_eager_backward(const Tensor& dq, const Tensor& dk, c
                                            const Tensor& v, const Tensor& segments,
                                            const AttentionDims& dims) {
   const cuda::AttentionParams p = attention_params(dims, q, k, v, segments);
-  check_float_tensor(dq, "attention_eager_backward dq");
-  check_float_tensor(d_out, "attention_eager_backward d_out");
-  check_float_tensor(dk, "attention_eager_backward dk");
-  check_float_tensor(dv, "attention_eager_backward dv");
-  check_same_count(dq, q, "attention_eager_backward dq");
-  check_same_count(d_out, q, "attention_eager_backward d_out");
-  check_same_count(dk, k, "attention_eager_backward dk");
-  check_same_count(dv, k, "attention_eager_backward dv");
-  check_matrix(probs, dims, "attention_eager_backward probs");
-  check_matrix(dprobs_scratch, dims, "attention_eager_backward dprobs_scratch");
+  check_attention_eager_backward(dq, dk, dv, dprobs_scratch, d_out, probs, q, k, dims, check_float_tensor);
   ensure_workspace();
   cuda::attention_eager_backward(gemm_, p, dq.data, dq.dtype, dk.data, dk.dtype, dv.data,
                                  dv.dtype, dprobs_scratch.data, dprobs_scratch.dtype,
@@ -461,9 +396,8 @@ void CudaBackend::attention_flash_forward(const Tensor& out, const Tensor& lse, 
                                           const Tensor& k, const Tensor& v,
                                           const Tensor& segments, const AttentionDims& dims) {
   const cuda::AttentionParams p = attention_params(dims, q, k, v, segments);
-  check_float_tensor(out, "attention_flash_forward out");
-  check_same_count(out, q, "attention_flash_forward out");
-  check_rows(lse, dims, "attention_flash_forward lse");
+  check_float_like(out, q, "attention_flash_forward out", check_float_tensor);
+  check_attention_rows(lse, dims, "attention_flash_forward lse", check_tensor);
   cuda::FlashTensors t;
   t.q = q.data;
   t.k = k.data;
@@ -488,13 +422,9 @@ void CudaBackend::attention_flash_backward(const Tensor& dq, const Tensor& dk, c
                                            const Tensor& k, const Tensor& v,
                                            const Tensor& segments, const AttentionDims& dims) {
   const cuda::AttentionParams p = attention_params(dims, q, k, v, segments);
-  check_float_tensor(dq, "attention_flash_backward dq");
-  check_float_tensor(d_out, "attention_flash_backward d_out");
-  check_float_tensor(out, "attention_flash_backward out");
-  check_float_tensor(dk, "attention_flash_backward dk");
-  check_float_tensor(dv, "attention_flash_backward dv");
-  check_attention_backward_shapes("attention_flash_backward", dq, dk, dv, d_out, out, lse, q, k, dims);
-  check_rows(delta_scratch, dims, "attention_flash_backward delta_scratch");
+  check_fused_attention_backward("attention_flash_backward", dq, dk, dv, d_out, out, lse, q, k, dims,
+                                 check_float_tensor, check_tensor);
+  check_attention_rows(delta_scratch, dims, "attention_flash_backward delta_scratch", check_tensor);
   check_tensor(dq_accum_scratch, DType::f32, "attention_flash_backward dq_accum_scratch");
   check_same_count(dq_accum_scratch, q, "attention_flash_backward dq_accum_scratch");
   cuda::FlashTensors t;
@@ -582,7 +512,7 @@ void CudaBackend::attention_cudnn_forward(const Tensor& out, const Tensor& lse, 
                                           const Tensor& workspace, const AttentionDims& dims) {
   (void)attention_params(dims, q, k, v, segments);  // the shape checks
   check_same_count(out, q, "attention_cudnn_forward out");
-  check_rows(lse, dims, "attention_cudnn_forward lse");
+  check_attention_rows(lse, dims, "attention_cudnn_forward lse", check_tensor);
   check_tensor(workspace, DType::f32, "attention_cudnn_forward workspace");
   cuda::CudnnSdpaTensors t;
   t.dtype = cudnn_io_dtype({{&q, "q"}, {&k, "k"}, {&v, "v"}, {&out, "out"}});
@@ -607,7 +537,8 @@ void CudaBackend::attention_cudnn_backward(const Tensor& dq, const Tensor& dk, c
                                            const AttentionDims& dims) {
   (void)attention_params(dims, q, k, v, segments);
   // delta_scratch: cuDNN keeps its row sums in its own workspace; only the flash fallback uses it.
-  check_attention_backward_shapes("attention_cudnn_backward", dq, dk, dv, d_out, out, lse, q, k, dims);
+  check_fused_attention_backward("attention_cudnn_backward", dq, dk, dv, d_out, out, lse, q, k, dims,
+                                 check_float_tensor, check_tensor);
   check_tensor(workspace, DType::f32, "attention_cudnn_backward workspace");
   cuda::CudnnSdpaTensors t;
   t.dtype = cudnn_io_dtype({{&q, "q"}, {&k, "k"}, {&v, "v"}, {&out, "out"}, {&d_out, "d_out"},
@@ -632,32 +563,15 @@ void CudaBackend::attention_cudnn_backward(const Tensor& dq, const Tensor& dk, c
 // ---- attention_decode (attention_decode.cu) ----
 void CudaBackend::attention_decode(const Tensor& out, const Tensor& q, const Tensor& k_cache,
                                    const Tensor& v_cache, const AttentionDims& dims) {
-  check_float_tensor(out, "attention_decode out");
-  check_float_tensor(q, "attention_decode q");
-  check_float_tensor(k_cache, "attention_decode k_cache");
-  check_float_tensor(v_cache, "attention_decode v_cache");
-  MT_ASSERT(dims.batch > 0 && dims.seq > 0 && dims.scale > 0.0f, "attention_decode: dims not set");
-  MT_ASSERT(dims.head_dim > 0 && dims.head_dim <= 256, "attention_decode: head_dim {} (1..256)",
-            dims.head_dim);
-  MT_ASSERT(dims.n_heads > 0 && dims.n_kv_heads > 0 && dims.n_heads % dims.n_kv_heads == 0,
-            "attention_decode: {} query heads not a multiple of {} kv heads", dims.n_heads,
-            dims.n_kv_heads);
-  const int64_t kv_width = dims.n_kv_heads * dims.head_dim;
-  MT_ASSERT(q.numel() == dims.batch * dims.n_heads * dims.head_dim && out.numel() == q.numel(),
-            "attention_decode q {} / out {} vs batch {} x {} heads x {}", q.shape.str(),
-            out.shape.str(), dims.batch, dims.n_heads, dims.head_dim);
-  MT_ASSERT(k_cache.numel() == v_cache.numel() && k_cache.numel() % (dims.batch * kv_width) == 0,
-            "attention_decode k_cache {} / v_cache {} vs batch {} x kv width {}",
-            k_cache.shape.str(), v_cache.shape.str(), dims.batch, kv_width);
+  const int64_t capacity = check_attention_decode_inputs(out, q, k_cache, v_cache, dims, check_float_tensor);
+  MT_ASSERT(dims.head_dim <= 256, "attention_decode: head_dim {} (1..256)", dims.head_dim);
   cuda::AttentionDecodeArgs a;
   a.batch = dims.batch;
   a.n_heads = dims.n_heads;
   a.n_kv_heads = dims.n_kv_heads;
   a.head_dim = dims.head_dim;
   a.kv_len = dims.seq;
-  a.capacity = k_cache.numel() / (dims.batch * kv_width);
-  MT_ASSERT(a.kv_len <= a.capacity, "attention_decode: {} cached rows in a cache of {}", a.kv_len,
-            a.capacity);
+  a.capacity = capacity;
   a.scale = dims.scale;
   a.q = q.data;
   a.k_cache = k_cache.data;

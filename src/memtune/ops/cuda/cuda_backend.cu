@@ -147,8 +147,7 @@ __global__ void add_sum_kernel(float* acc, const float* values, int64_t n) {
   __shared__ double shared[32];
   double sum = 0.0;
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x) sum += values[i];
-  for (int offset = 16; offset > 0; offset >>= 1)
-    sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+  sum = warp_sum(sum);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   if (lane == 0) shared[warp] = sum;
   __syncthreads();

@@ -57,16 +57,25 @@ __device__ __forceinline__ uint64_t device_dropout_hash(uint64_t seed, uint64_t 
   return z ^ (z >> 31);
 }
 
-__device__ __forceinline__ float warp_sum(float value) {
+// A butterfly over the 32 lanes of a warp: every lane gets combine() of all 32 values.
+template <typename T, typename Combine>
+__device__ __forceinline__ T warp_reduce(T value, Combine combine) {
   for (int offset = 16; offset > 0; offset >>= 1)
-    value += __shfl_xor_sync(0xffffffffu, value, offset);
+    value = combine(value, __shfl_xor_sync(0xffffffffu, value, offset));
   return value;
 }
 
+template <typename T>
+__device__ __forceinline__ T warp_sum(T value) {
+  return warp_reduce(value, [](T a, T b) { return a + b; });
+}
+
 __device__ __forceinline__ float warp_max(float value) {
-  for (int offset = 16; offset > 0; offset >>= 1)
-    value = fmaxf(value, __shfl_xor_sync(0xffffffffu, value, offset));
-  return value;
+  return warp_reduce(value, [](float a, float b) { return fmaxf(a, b); });
+}
+
+__device__ __forceinline__ float warp_min(float value) {
+  return warp_reduce(value, [](float a, float b) { return fminf(a, b); });
 }
 
 // Sum over the block (blockDim.x a multiple of 32, at most 1024); every thread gets the total.

@@ -85,8 +85,7 @@ __global__ void quantize_blocks_kernel(const void* dense, DType dense_type, int6
     }
   }
   // One atomic per warp at most: the lowest bad index of the warp's elements.
-  for (int offset = 16; offset > 0; offset >>= 1)
-    my_first_bad = min(my_first_bad, __shfl_xor_sync(0xffffffffu, my_first_bad, offset));
+  my_first_bad = warp_reduce(my_first_bad, [](unsigned long long a, unsigned long long b) { return min(a, b); });
   if (lane == 0 && my_first_bad != ~0ull) atomicMin(first_non_finite, my_first_bad);
 }
 
@@ -102,24 +101,12 @@ struct AbsmaxSumState {
   float min_nonzero;
 };
 
-__device__ __forceinline__ double warp_sum_double(double value) {
-  for (int offset = 16; offset > 0; offset >>= 1)
-    value += __shfl_xor_sync(0xffffffffu, value, offset);
-  return value;
-}
-
-__device__ __forceinline__ float warp_min(float value) {
-  for (int offset = 16; offset > 0; offset >>= 1)
-    value = fminf(value, __shfl_xor_sync(0xffffffffu, value, offset));
-  return value;
-}
-
 // Block-wide (sum, min) with every thread of the block calling; thread 0 gets the result.
 __device__ __forceinline__ void block_sum_min(double& sum, float& minimum) {
   __shared__ double shared_sum[32];
   __shared__ float shared_min[32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  sum = warp_sum_double(sum);
+  sum = warp_sum(sum);
   minimum = warp_min(minimum);
   if (lane == 0) {
     shared_sum[warp] = sum;
@@ -130,7 +117,7 @@ __device__ __forceinline__ void block_sum_min(double& sum, float& minimum) {
     const int warps = blockDim.x >> 5;
     sum = lane < warps ? shared_sum[lane] : 0.0;
     minimum = lane < warps ? shared_min[lane] : INFINITY;
-    sum = warp_sum_double(sum);
+    sum = warp_sum(sum);
     minimum = warp_min(minimum);
   }
 }
