@@ -93,6 +93,73 @@ TEST(Engine, FlashCheckpointingAndChunkedLossGiveTheSameStep) {
   }
 }
 
+// Stacked LoRA (one A GEMM for q/k/v and one for gate/up, LlamaStep::linear_group_forward) is
+// the per-projection step: the same loss and grads, whole layers and chunked, with and without
+// checkpointing, in fp32 and bf16, for every adapter layout it meets (all targets stacked, a
+// partial group left per projection, dropout per projection).
+TEST(Engine, StackedLoraGivesThePerProjectionStep) {
+  const LlamaConfig model = small_model();
+  struct Case {
+    const char* targets;
+    double dropout;
+    bool stacks;
+  };
+  for (const Case& c : {Case{"all-linear", 0.0, true}, Case{"q_proj,v_proj,gate_proj,up_proj,down_proj", 0.0, true},
+                        Case{"all-linear", 0.1, false}})
+    for (Precision precision : {Precision::fp32, Precision::bf16})
+      for (bool ckpt : {false, true})
+        for (int64_t chunk : {0, 7}) {
+          if (chunk > 0 && !ckpt) continue;
+          SCOPED_TRACE(fmt::format("{} dropout {} {} ckpt {} chunk {}", c.targets, c.dropout,
+                                   precision_name(precision), ckpt, chunk));
+          RunConfig run = small_run();
+          run.lora_target_modules = c.targets;
+          run.lora_dropout = c.dropout;
+          run.precision = precision;
+          run.gradient_checkpointing = ckpt;
+          run.mlp_chunk_tokens = chunk;
+          run.stacked_lora = false;
+          const StepResult reference = one_step(run, model);
+          run.stacked_lora = true;
+          const StepResult got = one_step(run, model);
+          const double tol = precision == Precision::fp32 ? 1e-5 : 2e-2;
+          EXPECT_NEAR(got.loss, reference.loss, tol * reference.loss);
+          EXPECT_LT(rel_error(got.grads, reference.grads), tol);
+          // The stacked path ran where it can: its u^T buffers are in the plan.
+          const Plan plan = plan_run(run, model, Device::cpu);
+          int stacked_buffers = 0;
+          for (const AllocationRecord& r : plan.records)
+            if (r.name.find("lora_uT") != std::string::npos) ++stacked_buffers;
+          if (c.stacks) EXPECT_GT(stacked_buffers, 0);
+          else EXPECT_EQ(stacked_buffers, 0);
+        }
+}
+
+// LoraState lays the A of q/k/v and of gate/up end to end (masters, compute copies, grads)
+// where every member has an adapter, and leaves a partial group (here q and v) apart.
+TEST(Engine, LoraStateStacksTheAOfProjectionsThatShareAnInput) {
+  const LlamaConfig model = small_model();
+  for (Precision precision : {Precision::fp32, Precision::bf16}) {
+    RunConfig run = small_run();
+    run.precision = precision;
+    run.lora_target_modules = "q_proj,v_proj,gate_proj,up_proj";
+    auto cpu = make_cpu_backend();
+    PlannedEngine engine(*cpu, run, model);
+    const LoraState& lora = engine->lora();
+    for (int layer = 0; layer < model.num_hidden_layers; ++layer) {
+      const LoraTensors* gate = lora.find(layer, Projection::gate);
+      const LoraTensors* up = lora.find(layer, Projection::up);
+      for (Tensor LoraTensors::*field : {&LoraTensors::a, &LoraTensors::a_compute, &LoraTensors::grad_a}) {
+        const Tensor* pair[] = {&(gate->*field), &(up->*field)};
+        EXPECT_FALSE(stacked_rows(pair, 2).empty()) << layer;
+      }
+      const Tensor* qv[] = {&lora.find(layer, Projection::q)->a_compute, &lora.find(layer, Projection::v)->a_compute};
+      EXPECT_TRUE(stacked_rows(qv, 2).empty()) << "q and v stacked without k";
+      EXPECT_EQ(lora.find(layer, Projection::k), nullptr);
+    }
+  }
+}
+
 TEST(Engine, Bf16StepIsCloseToFp32) {
   const LlamaConfig model = small_model();
   const StepResult reference = one_step(small_run(), model);

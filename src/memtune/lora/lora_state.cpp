@@ -2,6 +2,8 @@
 
 #include <cmath>
 
+#include <fmt/format.h>
+
 #include "memtune/ops/backend.h"
 
 namespace memtune {
@@ -43,7 +45,49 @@ void allocate_moments(Memory& memory, const std::vector<LoraSpec>& specs, std::v
   }
 }
 
+// The specs of `layer`'s group members in table order, when every member has an adapter with
+// the same A shape; empty otherwise.
+std::vector<size_t> group_specs(const std::vector<LoraSpec>& specs, int layer, const LoraInputGroup& group) {
+  std::vector<size_t> found;
+  for (int m = 0; m < group.size; ++m)
+    for (size_t i = 0; i < specs.size(); ++i)
+      if (specs[i].layer == layer && specs[i].projection == group.members[m]) found.push_back(i);
+  if (static_cast<int>(found.size()) != group.size) return {};
+  for (size_t i : found)
+    if (specs[i].a_shape != specs[found[0]].a_shape) return {};
+  return found;
+}
+
+// One buffer [members * r, in] of `dtype` for a group's A (or its copy, or its grad), handed out
+// as row blocks into each member's tensor.
+void allocate_stacked(Memory& memory, const std::vector<LoraSpec>& specs, const std::vector<size_t>& members,
+                      const char* suffix, MemCategory category, DType dtype, std::vector<LoraTensors>& tensors,
+                      Tensor LoraTensors::*field) {
+  const LoraSpec& first = specs[members[0]];
+  const int64_t rows = first.a_shape[0], in = first.a_shape[1];
+  const Tensor whole = memory.alloc(fmt::format("{}{} (+{} stacked)", first.a_key, suffix, members.size() - 1), category,
+                                    dtype, Shape{rows * static_cast<int64_t>(members.size()), in});
+  for (size_t m = 0; m < members.size(); ++m) {
+    Tensor part = whole.slice_rows(static_cast<int64_t>(m) * rows, static_cast<int64_t>(m + 1) * rows);
+    tensors[members[m]].*field = part;
+  }
+}
+
 }  // namespace
+
+Tensor stacked_rows(const Tensor* const* parts, int count) {
+  const Tensor& first = *parts[0];
+  if (first.empty() || first.shape.ndim != 2) return Tensor{};
+  for (int i = 1; i < count; ++i) {
+    const Tensor& t = *parts[i];
+    if (t.dtype != first.dtype || t.shape != first.shape ||
+        t.data != static_cast<const char*>(first.data) + static_cast<size_t>(i) * first.nbytes())
+      return Tensor{};
+  }
+  Tensor whole = first;
+  whole.shape = Shape{first.shape[0] * count, first.shape[1]};
+  return whole;
+}
 
 int64_t LoraState::flat_offset(const Tensor& view) const {
   MT_ASSERT(!flat_params_.empty(), "flat_offset without the flat layout");
@@ -63,22 +107,47 @@ LoraState LoraState::allocate(Memory& memory, const LlamaConfig& model, const Lo
   state.specs_ = lora_table(model, lora);
   state.index_.assign(model.num_hidden_layers * kNumProjections, -1);
   if (flat_multiple > 0) return allocate_flat(state, memory, compute_dtype, with_optimizer, flat_multiple);
-  // Grouped by role so that the plan reads per category, as the buffers would be laid out.
+  // Grouped by role so that the plan reads per category, as the buffers would be laid out. The A
+  // of each input group (kLoraInputGroups) is stacked: its f32 master, compute copy and grad are
+  // each one buffer, allocated where the group's first member's would be.
   state.tensors_.resize(state.specs_.size());
+  std::vector<std::vector<size_t>> stacked_from(state.specs_.size());  // first member -> members
+  std::vector<bool> stacked(state.specs_.size(), false);
+  for (int layer = 0; layer < model.num_hidden_layers; ++layer)
+    for (const LoraInputGroup& group : kLoraInputGroups) {
+      std::vector<size_t> members = group_specs(state.specs_, layer, group);
+      if (members.empty()) continue;
+      for (size_t i : members) stacked[i] = true;
+      stacked_from[members[0]] = std::move(members);
+    }
+  const bool separate_copies = compute_dtype != DType::f32;
   for (size_t i = 0; i < state.specs_.size(); ++i) {
     const LoraSpec& spec = state.specs_[i];
     LoraTensors& t = state.tensors_[i];
     state.index_[spec.layer * kNumProjections + static_cast<int>(spec.projection)] =
         static_cast<int>(i);
-    t.a = memory.alloc(spec.a_key, MemCategory::adapters, DType::f32, spec.a_shape);
+    if (!stacked_from[i].empty()) {
+      allocate_stacked(memory, state.specs_, stacked_from[i], "", MemCategory::adapters, DType::f32, state.tensors_, &LoraTensors::a);
+      if (separate_copies)
+        allocate_stacked(memory, state.specs_, stacked_from[i], ".compute", MemCategory::adapters, compute_dtype,
+                         state.tensors_, &LoraTensors::a_compute);
+    } else if (!stacked[i]) {
+      t.a = memory.alloc(spec.a_key, MemCategory::adapters, DType::f32, spec.a_shape);
+      if (separate_copies) t.a_compute = memory.alloc(spec.a_key + ".compute", MemCategory::adapters, compute_dtype, spec.a_shape);
+    }
     t.b = memory.alloc(spec.b_key, MemCategory::adapters, DType::f32, spec.b_shape);
-    allocate_compute_copies(memory, spec, t, compute_dtype);
+    t.b_compute = separate_copies ? memory.alloc(spec.b_key + ".compute", MemCategory::adapters, compute_dtype, spec.b_shape) : t.b;
   }
+  if (!separate_copies)  // fp32: the GEMMs read the masters (a stacked member's set with its group's first)
+    for (LoraTensors& t : state.tensors_) t.a_compute = t.a;
   for (size_t i = 0; i < state.specs_.size(); ++i) {
     const LoraSpec& spec = state.specs_[i];
     LoraTensors& t = state.tensors_[i];
-    t.grad_a = memory.alloc(spec.a_key + ".grad", MemCategory::adapter_grads, DType::f32,
-                            spec.a_shape);
+    if (!stacked_from[i].empty())
+      allocate_stacked(memory, state.specs_, stacked_from[i], ".grad", MemCategory::adapter_grads, DType::f32,
+                       state.tensors_, &LoraTensors::grad_a);
+    else if (!stacked[i])
+      t.grad_a = memory.alloc(spec.a_key + ".grad", MemCategory::adapter_grads, DType::f32, spec.a_shape);
     t.grad_b = memory.alloc(spec.b_key + ".grad", MemCategory::adapter_grads, DType::f32,
                             spec.b_shape);
   }

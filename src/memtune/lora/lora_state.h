@@ -5,6 +5,7 @@
 // core/, io/, quant/, ops/ and model/.
 #pragma once
 
+#include <array>
 #include <vector>
 
 #include "memtune/core/memory.h"
@@ -20,6 +21,27 @@ struct LoraTensors {
   Tensor grad_a, grad_b;        // f32
   Tensor exp_avg_a, exp_avg_sq_a, exp_avg_b, exp_avg_sq_b;  // f32; empty without optimizer
 };
+
+// Projections of a layer that read the same input: q, k, v (the attention's normed input) and
+// gate, up (the MLP's). Where every member has an adapter, LoraState lays their A matrices (and
+// the compute copies and gradients of A) end to end in one buffer, [members * r, in], so that the
+// step can form every member's x A^T in one GEMM and back-propagate through all of them in one
+// (LlamaStep's stacked LoRA; the data-parallel flat layout does not stack).
+struct LoraInputGroup {
+  std::array<Projection, 3> members;
+  int size;
+  const char* name;
+};
+inline constexpr LoraInputGroup kLoraInputGroups[] = {
+    {{Projection::q, Projection::k, Projection::v}, 3, "qkv"},
+    {{Projection::gate, Projection::up, Projection::up}, 2, "gate_up"},
+};
+inline constexpr int kNumLoraInputGroups = 2;
+
+// The rows of `first` through `first + count` tensors' worth, when `parts` (count tensors of one
+// dtype and shape [r, in]) lie end to end in memory from parts[0]: one [count * r, in] view;
+// an empty tensor otherwise.
+Tensor stacked_rows(const Tensor* const* parts, int count);
 
 class LoraState {
  public:

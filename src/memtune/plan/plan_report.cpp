@@ -28,6 +28,7 @@ nlohmann::json run_config_json(const RunConfig& run, const LlamaConfig& model) {
           {"lora_dropout", run.lora_dropout},
           {"use_rslora", run.use_rslora},
           {"lora_target_modules", run.lora_target_modules},
+          {"stacked_lora", run.stacked_lora},
           {"learning_rate", run.learning_rate},
           {"max_steps", run.max_steps},
           {"seed", run.seed}};

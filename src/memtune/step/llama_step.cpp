@@ -210,9 +210,21 @@ Tensor LlamaStep::alloc_layer_output(int layer, bool training) {
 }
 
 void LlamaStep::free_layer(LayerState& state, bool keep_input) {
-  // Free in reverse order of allocation: the first-fit arena then reuses the space cleanly.
-  for (int p = kNumProjections - 1; p >= 0; --p)
-    if (!state.lora_u[p].empty()) memory_.free(state.lora_u[p]), state.lora_u[p] = Tensor{};
+  // Free in reverse order of allocation: the first-fit arena then reuses the space cleanly. A
+  // stacked group's u's are views of one buffer, freed where its first member's would be.
+  for (int p = kNumProjections - 1; p >= 0; --p) {
+    bool stacked_member = false;
+    for (int g = 0; g < kNumLoraInputGroups; ++g) {
+      const LoraInputGroup& group = kLoraInputGroups[g];
+      for (int m = 0; m < group.size; ++m)
+        if (static_cast<int>(group.members[m]) == p && !state.lora_u_stacked[g].empty()) {
+          stacked_member = true;
+          if (m == 0) memory_.free(state.lora_u_stacked[g]), state.lora_u_stacked[g] = Tensor{};
+        }
+    }
+    if (!stacked_member && !state.lora_u[p].empty()) memory_.free(state.lora_u[p]);
+    state.lora_u[p] = Tensor{};
+  }
   for (int i = kNumActs - 1; i >= 0; --i) {
     if (i == static_cast<int>(Act::layer_input) && keep_input) continue;
     if (!state.acts[i].empty()) memory_.free(state.acts[i]), state.acts[i] = Tensor{};
@@ -274,9 +286,7 @@ Tensor LlamaStep::lora_input_projection(int layer, Projection p, const Tensor& x
   return u;
 }
 
-void LlamaStep::linear_forward(int layer, Projection p, const Tensor& x, int64_t first_row,
-                               const Tensor& y, Tensor* lora_u, MemCategory u_category,
-                               uint64_t dropout_seed, bool training) {
+void LlamaStep::base_linear_forward(int layer, Projection p, const Tensor& x, const Tensor& y) {
   const Tensor w = frozen_weight(layer, p);
   // A frozen bias (Qwen2's q/k/v) is part of the base output, before the low-rank term, as in
   // PEFT where the base layer's F.linear adds it. It goes into y first and the GEMM adds onto it.
@@ -284,6 +294,12 @@ void LlamaStep::linear_forward(int layer, Projection p, const Tensor& x, int64_t
   if (!bias.empty()) backend_.broadcast_rows(y, bias);
   backend_.matmul(y, x, false, w, true, 1.0f, bias.empty() ? 0.0f : 1.0f);
   release_frozen_weight(layer, p, w);
+}
+
+void LlamaStep::linear_forward(int layer, Projection p, const Tensor& x, int64_t first_row,
+                               const Tensor& y, Tensor* lora_u, MemCategory u_category,
+                               uint64_t dropout_seed, bool training) {
+  base_linear_forward(layer, p, x, y);
   const LoraTensors* adapter = lora_.find(layer, p);
   if (adapter == nullptr) return;
   // PEFT's order: the base output first, then the low-rank term added onto it. (Writing the
@@ -340,6 +356,91 @@ void LlamaStep::linear_backward(int layer, Projection p, const Tensor& dy, const
     backend_.matmul(dx, du, false, adapter->a_compute, false, 1.0f, 1.0f);
   }
   memory_.free(du);
+}
+
+Tensor LlamaStep::stacked_lora_a(int layer, const LoraInputGroup& group) const {
+  // Dropout draws its own mask of x for every member, so the members' inputs differ.
+  if (!options_.stacked_lora || lora_dropout_ > 0.0f) return Tensor{};
+  std::array<const Tensor*, 3> a{}, grads{};
+  for (int m = 0; m < group.size; ++m) {
+    const LoraTensors* adapter = lora_.find(layer, group.members[m]);
+    if (adapter == nullptr) return Tensor{};
+    a[m] = &adapter->a_compute;
+    grads[m] = &adapter->grad_a;
+  }
+  if (stacked_rows(grads.data(), group.size).empty()) return Tensor{};
+  return stacked_rows(a.data(), group.size);
+}
+
+Tensor LlamaStep::stacked_lora_input(int layer, const LoraInputGroup& group, const Tensor& x, int64_t first_row,
+                                     MemCategory u_category) {
+  const Tensor a = stacked_lora_a(layer, group);
+  const int64_t rows = x.rows();
+  Tensor ut = memory_.alloc(fmt::format("layers.{}.{}.lora_uT", layer, group.name), u_category, options_.compute_dtype,
+                            Shape{a.rows(), rows}, Shape{a.rows(), reserved_rows(first_row)});
+  backend_.matmul(ut, a, false, x, true, 1.0f, 0.0f);
+  return ut;
+}
+
+void LlamaStep::linear_group_forward(int layer, const LoraInputGroup& group, const Tensor& x, int64_t first_row,
+                                     const Tensor* ys, LayerState* keep, MemCategory u_category,
+                                     uint64_t dropout_seed, bool training) {
+  if (stacked_lora_a(layer, group).empty()) {
+    for (int m = 0; m < group.size; ++m) {
+      const int p = static_cast<int>(group.members[m]);
+      linear_forward(layer, group.members[m], x, first_row, ys[m], keep != nullptr ? &keep->lora_u[p] : nullptr,
+                     u_category, dropout_seed, training);
+    }
+    return;
+  }
+  for (int m = 0; m < group.size; ++m) base_linear_forward(layer, group.members[m], x, ys[m]);
+  // PEFT's order, as linear_forward: the base outputs first, then each low-rank term onto them.
+  const Tensor ut = stacked_lora_input(layer, group, x, first_row, u_category);
+  const int64_t r = lora_.config().r;
+  for (int m = 0; m < group.size; ++m) {
+    const Tensor ut_m = ut.slice_rows(m * r, (m + 1) * r);
+    backend_.matmul(ys[m], ut_m, true, lora_.find(layer, group.members[m])->b_compute, true, lora_scale_, 1.0f);
+    if (keep != nullptr) keep->lora_u[static_cast<int>(group.members[m])] = ut_m;
+  }
+  if (keep != nullptr) keep->lora_u_stacked[&group - kLoraInputGroups] = ut;
+  else memory_.free(ut);
+}
+
+void LlamaStep::linear_group_backward(int layer, const LoraInputGroup& group, const Tensor* dys, const Tensor& x,
+                                      int64_t first_row, const LayerState& saved, const Tensor& dx,
+                                      bool accumulate, uint64_t dropout_seed) {
+  const Tensor& ut = saved.lora_u_stacked[&group - kLoraInputGroups];
+  if (ut.empty()) {
+    for (int m = 0; m < group.size; ++m)
+      linear_backward(layer, group.members[m], dys[m], x, first_row, saved.lora_u[static_cast<int>(group.members[m])],
+                      dx, accumulate || m > 0, dropout_seed);
+    return;
+  }
+  const int64_t r = lora_.config().r;
+  const Tensor a = stacked_lora_a(layer, group);
+  MT_ASSERT(!a.empty() && ut.rows() == a.rows(), "stacked LoRA inputs without stacked adapters");
+  Tensor dut = memory_.alloc(fmt::format("layers.{}.{}.d_lora_uT", layer, group.name), MemCategory::transient_activations,
+                             options_.compute_dtype, ut.shape, Shape{ut.rows(), reserved_rows(first_row)});
+  const LoraTensors* first = lora_.find(layer, group.members[0]);
+  for (int m = 0; m < group.size; ++m) {
+    const LoraTensors* adapter = lora_.find(layer, group.members[m]);
+    const Tensor ut_m = ut.slice_rows(m * r, (m + 1) * r);
+    // grad B += s dy^T u, and du^T = s B^T dy^T: linear_backward's, with u kept transposed.
+    backend_.matmul(adapter->grad_b, dys[m], true, ut_m, true, lora_scale_, 1.0f);
+    backend_.matmul(dut.slice_rows(m * r, (m + 1) * r), adapter->b_compute, true, dys[m], true, lora_scale_, 0.0f);
+  }
+  // grad A (every member's, stacked as A is) += du^T x: the last read of x before dx is written.
+  Tensor grad_a = first->grad_a;
+  grad_a.shape = a.shape;
+  backend_.matmul(grad_a, dut, false, x, false, 1.0f, 1.0f);
+  for (int m = 0; m < group.size; ++m) {
+    const Projection p = group.members[m];
+    const Tensor w = frozen_weight(layer, p);
+    backend_.matmul(dx, dys[m], false, w, false, 1.0f, (accumulate || m > 0) ? 1.0f : 0.0f);
+    release_frozen_weight(layer, p, w);
+  }
+  backend_.matmul(dx, dut, true, a, false, 1.0f, 1.0f);
+  memory_.free(dut);
 }
 
 Act LlamaStep::projection_output(Act id) const {
@@ -447,9 +548,9 @@ Tensor LlamaStep::layer_forward(int layer, LayerState& s, bool recompute, uint64
   act(q_out) = alloc_act(q_out, layer, keep);
   act(k_out) = alloc_act(k_out, layer, keep);
   act(Act::v) = alloc_act(Act::v, layer, keep);
-  linear_forward(layer, Projection::q, act(Act::norm1_out), 0, act(q_out), lora_u(Projection::q), keep, dropout_seed, training);
-  linear_forward(layer, Projection::k, act(Act::norm1_out), 0, act(k_out), lora_u(Projection::k), keep, dropout_seed, training);
-  linear_forward(layer, Projection::v, act(Act::norm1_out), 0, act(Act::v), lora_u(Projection::v), keep, dropout_seed, training);
+  const Tensor qkv_out[] = {act(q_out), act(k_out), act(Act::v)};
+  linear_group_forward(layer, kLoraInputGroups[0], act(Act::norm1_out), 0, qkv_out, training ? &s : nullptr, keep,
+                       dropout_seed, training);
   attention_forward(layer, s, keep);
   act(Act::mid) = alloc_act(Act::mid, layer, keep);
   linear_forward(layer, Projection::o, act(Act::attn_out), 0, act(Act::mid), lora_u(Projection::o), keep, dropout_seed, training);
@@ -496,11 +597,10 @@ Tensor LlamaStep::layer_forward_chunked(int layer, LayerState& s, bool recompute
     normed = alloc_act_rows(Act::norm1_out, layer, transient, end - begin, begin);
     rstd = alloc_act_rows(Act::norm1_rstd, layer, transient, end - begin, begin);
     backend_.rmsnorm_forward(normed, rstd, x.slice_rows(begin, end), w.input_norm, eps);
-    for (Projection p : {Projection::q, Projection::k, Projection::v}) {
-      const Act out_id = p == Projection::q ? q_out : p == Projection::k ? k_out : Act::v;
-      linear_forward(layer, p, normed, begin, act(out_id).slice_rows(begin, end), nullptr,
-                     transient, dropout_seed, training);
-    }
+    const Tensor qkv_rows[] = {act(q_out).slice_rows(begin, end), act(k_out).slice_rows(begin, end),
+                               act(Act::v).slice_rows(begin, end)};
+    linear_group_forward(layer, kLoraInputGroups[0], normed, begin, qkv_rows, nullptr, transient, dropout_seed,
+                         training);
     free_layer(chunk, /*keep_input=*/false);
   }
   attention_forward(layer, s, keep);
@@ -537,8 +637,9 @@ void LlamaStep::mlp_forward(int layer, const Tensor& mid_rows, int64_t first_row
                            layer_weights(layer).post_norm, static_cast<float>(config_.rms_norm_eps));
   act(Act::gate) = alloc_act_rows(Act::gate, layer, category, rows, first_row);
   act(Act::up) = alloc_act_rows(Act::up, layer, category, rows, first_row);
-  linear_forward(layer, Projection::gate, act(Act::norm2_out), first_row, act(Act::gate), lora_u(Projection::gate), category, dropout_seed, training);
-  linear_forward(layer, Projection::up, act(Act::norm2_out), first_row, act(Act::up), lora_u(Projection::up), category, dropout_seed, training);
+  const Tensor gate_up_out[] = {act(Act::gate), act(Act::up)};
+  linear_group_forward(layer, kLoraInputGroups[1], act(Act::norm2_out), first_row, gate_up_out,
+                       keep_lora_u ? &mlp : nullptr, category, dropout_seed, training);
   act(Act::swiglu_out) = alloc_act_rows(Act::swiglu_out, layer, category, rows, first_row);
   backend_.swiglu_forward(act(Act::swiglu_out), act(Act::gate), act(Act::up));
 }
@@ -557,8 +658,9 @@ void LlamaStep::mlp_backward(int layer, LayerState& mlp, const Tensor& mid_rows,
   act(Act::swiglu_out) = Tensor{};
   Tensor d_norm2 = alloc_chunk(fmt::format("layers.{}.d_norm2", layer), MemCategory::transient_activations,
                                options_.compute_dtype, act(Act::norm2_out).shape, first_row);
-  linear_backward(layer, Projection::gate, act(Act::gate), act(Act::norm2_out), first_row, lora_u(Projection::gate), d_norm2, false, dropout_seed);
-  linear_backward(layer, Projection::up, act(Act::up), act(Act::norm2_out), first_row, lora_u(Projection::up), d_norm2, true, dropout_seed);
+  const Tensor d_gate_up[] = {act(Act::gate), act(Act::up)};
+  linear_group_backward(layer, kLoraInputGroups[1], d_gate_up, act(Act::norm2_out), first_row, mlp, d_norm2, false,
+                        dropout_seed);
   backend_.rmsnorm_backward(d_resid_rows, d_norm2, mid_rows, layer_weights(layer).post_norm,
                             act(Act::norm2_rstd), true);
   memory_.free(d_norm2);
@@ -638,9 +740,8 @@ void LlamaStep::layer_backward(int layer, LayerState& s, const Tensor& d_resid, 
   backend_.rope_backward(dk, batch_.positions, inv_freq_, config_.head_dim);
   if (config_.has_qk_norm) head_norm_backward(layer, s, dq, dk);
   Tensor d_norm1 = alloc_tokens(prefix + "d_norm1", transient, cd, act(Act::norm1_out).shape);
-  linear_backward(layer, Projection::q, dq, act(Act::norm1_out), 0, lora_u(Projection::q), d_norm1, false, seed);
-  linear_backward(layer, Projection::k, dk, act(Act::norm1_out), 0, lora_u(Projection::k), d_norm1, true, seed);
-  linear_backward(layer, Projection::v, dv, act(Act::norm1_out), 0, lora_u(Projection::v), d_norm1, true, seed);
+  const Tensor d_qkv[] = {dq, dk, dv};
+  linear_group_backward(layer, kLoraInputGroups[0], d_qkv, act(Act::norm1_out), 0, s, d_norm1, false, seed);
   memory_.free(dv);
   memory_.free(dk);
   memory_.free(dq);
@@ -707,16 +808,20 @@ void LlamaStep::layer_backward_chunked(int layer, LayerState& s, const Tensor& d
     normed = alloc_act_rows(Act::norm1_out, layer, transient, end - begin, begin);
     rstd = alloc_act_rows(Act::norm1_rstd, layer, transient, end - begin, begin);
     backend_.rmsnorm_forward(normed, rstd, x_rows, w.input_norm, eps);
-    for (Projection p : {Projection::q, Projection::k, Projection::v})
-      if (lora_.find(layer, p) != nullptr)
-        chunk.lora_u[static_cast<int>(p)] = lora_input_projection(layer, p, normed, begin, transient, seed, true);
-    Tensor d_norm1 = alloc_chunk(prefix + "d_norm1", transient, cd, normed.shape, begin);
-    bool accumulate = false;
-    for (const auto& [p, grad] : {std::pair{Projection::q, &dq}, std::pair{Projection::k, &dk}, std::pair{Projection::v, &dv}}) {
-      linear_backward(layer, p, grad->slice_rows(begin, end), normed, begin,
-                      chunk.lora_u[static_cast<int>(p)], d_norm1, accumulate, seed);
-      accumulate = true;
+    const LoraInputGroup& qkv = kLoraInputGroups[0];
+    if (!stacked_lora_a(layer, qkv).empty()) {
+      Tensor& ut = chunk.lora_u_stacked[0];
+      ut = stacked_lora_input(layer, qkv, normed, begin, transient);
+      const int64_t r = lora_.config().r;
+      for (int m = 0; m < qkv.size; ++m) chunk.lora_u[static_cast<int>(qkv.members[m])] = ut.slice_rows(m * r, (m + 1) * r);
+    } else {
+      for (Projection p : qkv.members)
+        if (lora_.find(layer, p) != nullptr)
+          chunk.lora_u[static_cast<int>(p)] = lora_input_projection(layer, p, normed, begin, transient, seed, true);
     }
+    Tensor d_norm1 = alloc_chunk(prefix + "d_norm1", transient, cd, normed.shape, begin);
+    const Tensor d_qkv_rows[] = {dq.slice_rows(begin, end), dk.slice_rows(begin, end), dv.slice_rows(begin, end)};
+    linear_group_backward(layer, qkv, d_qkv_rows, normed, begin, chunk, d_norm1, false, seed);
     backend_.rmsnorm_backward(d_resid.slice_rows(begin, end), d_norm1, x_rows, w.input_norm, rstd, true);
     memory_.free(d_norm1);
     free_layer(chunk, /*keep_input=*/false);

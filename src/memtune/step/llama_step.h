@@ -91,6 +91,9 @@ struct StepOptions {
   // Rows may hold several samples (packing, padding-free): AttentionImpl::cudnn plans room for
   // cuDNN's ragged backward (cudnn_attention_workspace_floats); no other effect.
   bool packed_rows = false;
+  // LoRA of the projections that read one input (q/k/v, gate/up) stacked where the adapters
+  // allow it (linear_group_forward); false: one projection at a time. The same math.
+  bool stacked_lora = false;
   int64_t micro_batch = 1, seq = 0;
 };
 
@@ -176,7 +179,10 @@ class LlamaStep {
   using LoraActs = std::array<Tensor, kNumProjections>;
   struct LayerState {
     LayerActs acts;
+    // Each projection's LoRA input u = x A^T [rows, r]; for a stacked input group (below), a
+    // view u^T [r, rows] into the group's one buffer in lora_u_stacked.
     LoraActs lora_u;
+    std::array<Tensor, kNumLoraInputGroups> lora_u_stacked;  // [members * r, rows] or empty
   };
 
   // Every buffer of the step is allocated through these, at the current shape inside the
@@ -252,6 +258,28 @@ class LlamaStep {
   void linear_backward(int layer, Projection p, const Tensor& dy, const Tensor& x,
                        int64_t first_row, const Tensor& lora_u, const Tensor& dx, bool accumulate,
                        uint64_t dropout_seed);
+  // y = x W^T (+ bias): the frozen part of linear_forward.
+  void base_linear_forward(int layer, Projection p, const Tensor& x, const Tensor& y);
+  // Stacked LoRA: the members of an input group (lora/lora_state.h) read one x. Where their A
+  // lie end to end (LoraState stacks them) and LoRA dropout is off, one GEMM forms every
+  // member's u^T = A x^T, [members * r, rows], and the backward forms every member's A grad and
+  // the LoRA part of dx in one GEMM each; the B products stay per member, the math (PEFT's order,
+  // u rounded to the compute dtype) unchanged. Else each member runs linear_forward / _backward.
+  // The A of the group as one [members * r, in] view, or empty when it cannot stack.
+  Tensor stacked_lora_a(int layer, const LoraInputGroup& group) const;
+  // ys[m]: member m's output. keep (nullable): where the u's are kept for the backward.
+  void linear_group_forward(int layer, const LoraInputGroup& group, const Tensor& x, int64_t first_row,
+                            const Tensor* ys, LayerState* keep, MemCategory u_category, uint64_t dropout_seed,
+                            bool training);
+  // u^T [members * r, rows] of the group (stacked only).
+  Tensor stacked_lora_input(int layer, const LoraInputGroup& group, const Tensor& x, int64_t first_row,
+                            MemCategory u_category);
+  // The group's backward: dys[m] the grad of member m's output; dx (+)= the sum over members
+  // (accumulate as linear_backward, for the first member; the rest add). saved: the state that
+  // holds the forward's u's.
+  void linear_group_backward(int layer, const LoraInputGroup& group, const Tensor* dys, const Tensor& x,
+                             int64_t first_row, const LayerState& saved, const Tensor& dx, bool accumulate,
+                             uint64_t dropout_seed);
   // Final norm + LM head + cross-entropy; with d_resid given, also its backward into it.
   void loss_and_head(const Tensor& last_hidden, float loss_grad_scale, const Tensor* d_resid);
   AttentionDims attention_dims() const;           // the current shape's

@@ -89,6 +89,7 @@ StepOptions RunConfig::step_options() const {
   o.mlp_chunk_tokens = resolved_token_chunk_rows();
   o.offload_activations = offload_activations;
   o.packed_rows = packed_rows;
+  o.stacked_lora = stacked_lora;
   o.micro_batch = per_device_train_batch_size;
   o.seq = max_seq_length;
   return o;

@@ -60,6 +60,11 @@ struct RunConfig {
   double lora_dropout = 0.0;
   bool use_rslora = false;
   std::string lora_target_modules = "all-linear";
+  // The LoRA A products of projections that share an input (q/k/v, gate/up) as one GEMM each
+  // (StepOptions::stacked_lora). The same math (CPU test Engine.StackedLoraGivesThePerProjection-
+  // Step). Off by default until its speed is measured on a GPU against one GEMM per projection
+  // (bench/NOTES.md, second session of 2026-12-06).
+  bool stacked_lora = false;
   double learning_rate = 2e-4;
   double weight_decay = 0.0;
   double adam_beta1 = 0.9, adam_beta2 = 0.999, adam_epsilon = 1e-8;
