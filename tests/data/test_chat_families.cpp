@@ -22,12 +22,6 @@ using nlohmann::json;
 
 namespace {
 
-std::vector<ChatMessage> messages_of(const json& row) {
-  std::vector<ChatMessage> messages;
-  for (const json& m : row["messages"]) messages.push_back({m["role"], m["content"]});
-  return messages;
-}
-
 std::string trained_text(const Tokenizer& tokenizer, const ChatEncoding& encoded) {
   std::string out;
   for (size_t i = 0; i < encoded.ids.size(); ++i) {

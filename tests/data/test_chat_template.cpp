@@ -20,12 +20,6 @@ using nlohmann::json;
 
 namespace {
 
-std::vector<ChatMessage> messages_of(const json& row) {
-  std::vector<ChatMessage> messages;
-  for (const json& m : row["messages"]) messages.push_back({m["role"], m["content"]});
-  return messages;
-}
-
 // transformers' apply_chat_template on shared/data's tokenizer_config.json, as text and ids.
 TEST(ChatTemplate, MatchesTransformersOnTheRealTemplate) {
   const Tokenizer& tokenizer = llama3_tokenizer();

@@ -26,32 +26,14 @@ namespace fs = std::filesystem;
 
 namespace {
 
-std::vector<int32_t> ids_of(const json& row) { return row["ids"].get<std::vector<int32_t>>(); }
 
 // Compares every row's ids and prints each mismatch with its text, so a failure says which
 // string broke and how.
-void expect_matches_fixture(const Tokenizer& tokenizer, const fs::path& fixture) {
-  const auto rows = read_jsonl(fixture);
-  ASSERT_FALSE(rows.empty()) << fixture;
-  size_t mismatches = 0;
-  for (const json& row : rows) {
-    const std::string text = row["text"];
-    const auto expected = ids_of(row);
-    const auto actual = tokenizer.encode(text);
-    if (actual != expected) {
-      ++mismatches;
-      ADD_FAILURE() << "text " << json(text).dump() << "\n  HF:      " << ids_to_string(expected)
-                    << "\n  memtune: " << ids_to_string(actual);
-    }
-  }
-  EXPECT_EQ(mismatches, 0u) << "of " << rows.size() << " strings in " << fixture;
-}
-
 // --------------------------------------------------------------------------------------------
 // The real Llama 3 tokenizer against HF tokenizers.
 
 TEST(Llama3Tokenizer, CorpusMatchesHfIdsExactly) {
-  expect_matches_fixture(llama3_tokenizer(), tokenizer_fixture_dir() / "corpus.jsonl");
+  expect_ids_match_fixture(llama3_tokenizer(), tokenizer_fixture_dir() / "corpus.jsonl");
 }
 
 TEST(Llama3Tokenizer, CorpusIsLargeAndVaried) {
@@ -219,7 +201,7 @@ TEST(Llama3Tokenizer, IgnoreMergesOffMatchesHf) {
   json spec = json::parse(read_file(llama3_tokenizer_dir() / "tokenizer.json"));
   spec["model"]["ignore_merges"] = false;
   const Tokenizer tokenizer = Tokenizer::from_json_text(spec.dump(), "ignore_merges off");
-  expect_matches_fixture(tokenizer, tokenizer_fixture_dir() / "ignore_merges_off.jsonl");
+  expect_ids_match_fixture(tokenizer, tokenizer_fixture_dir() / "ignore_merges_off.jsonl");
 }
 
 TEST(Llama3Tokenizer, CopiesShareAndWorkAcrossThreads) {
@@ -249,7 +231,7 @@ fs::path tiny_path() { return tokenizer_fixture_dir() / "tiny_tokenizer.json"; }
 json tiny_spec() { return json::parse(read_file(tiny_path())); }
 
 TEST(TinyTokenizer, MatchesHf) {
-  expect_matches_fixture(Tokenizer::from_file(tiny_path()),
+  expect_ids_match_fixture(Tokenizer::from_file(tiny_path()),
                          tokenizer_fixture_dir() / "tiny_corpus.jsonl");
 }
 
@@ -259,7 +241,7 @@ TEST(TinyTokenizer, StringMergesEqualPairMerges) {
   for (json& merge : spec["model"]["merges"]) {
     merge = merge[0].get<std::string>() + " " + merge[1].get<std::string>();
   }
-  expect_matches_fixture(Tokenizer::from_json_text(spec.dump(), "tiny, string merges"),
+  expect_ids_match_fixture(Tokenizer::from_json_text(spec.dump(), "tiny, string merges"),
                          tokenizer_fixture_dir() / "tiny_corpus.jsonl");
 }
 

@@ -50,8 +50,10 @@ TEST_F(CudaDecodeTest, AttentionDecodeMatchesCpu) {
 
 TEST_F(CudaDecodeTest, GenerationOnTheGpuEqualsTransformersGreedy) {
   const nlohmann::json fixture = test::read_json_fixture("generate/greedy.json");
-  const int64_t max_new = fixture["max_new_tokens"].get<int64_t>();
+  const int64_t fixture_max_new = fixture["max_new_tokens"].get<int64_t>();
   for (const nlohmann::json& c : fixture["cases"]) {
+    if (!c.value("checkable", true)) continue;  // a logit margin within fp32 noise
+    const int64_t max_new = c.value("max_new_tokens", fixture_max_new);  // within a sliding window
     const std::string name = c["fixture"];
     const std::filesystem::path dir = test::golden_dir(name);
     const std::vector<int32_t> prompt = c["prompt_ids"].get<std::vector<int32_t>>();

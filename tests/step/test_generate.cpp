@@ -46,9 +46,11 @@ nlohmann::json greedy_fixture() {
 
 TEST(Generate, GreedyTokensEqualTransformersGenerate) {
   const nlohmann::json fixture = greedy_fixture();
-  const int64_t max_new = fixture["max_new_tokens"].get<int64_t>();
-  ASSERT_GE(fixture["cases"].size(), 12u);
+  const int64_t fixture_max_new = fixture["max_new_tokens"].get<int64_t>();
+  ASSERT_GE(fixture["cases"].size(), 30u);  // 5 fixtures (Llama x2, Qwen2, Qwen3, Mistral) x adapter or not x 3 prompts
   for (const nlohmann::json& c : fixture["cases"]) {
+    if (!c.value("checkable", true)) continue;  // a logit margin within fp32 noise
+    const int64_t max_new = c.value("max_new_tokens", fixture_max_new);  // within a sliding window
     const std::string name = c["fixture"];
     const std::vector<int32_t> prompt = c["prompt_ids"].get<std::vector<int32_t>>();
     const std::vector<int32_t> expected = c["output_ids"].get<std::vector<int32_t>>();

@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "memtune/data/chat_template.h"
 #include "memtune/data/tokenizer.h"
 #include "fixtures.h"
 
@@ -109,6 +110,36 @@ inline std::string ids_to_string(const std::vector<int32_t>& ids) {
   std::string out = "[";
   for (size_t i = 0; i < ids.size(); ++i) out += (i ? ", " : "") + std::to_string(ids[i]);
   return out + "]";
+}
+
+// The "ids" of a fixture row (tools/make_tokenizer_golden.py and make_golden.py's corpora).
+inline std::vector<int32_t> ids_of(const nlohmann::json& row) { return row["ids"].get<std::vector<int32_t>>(); }
+
+// Every row's "text" encodes to its HF "ids" (at least min_rows rows); each mismatch is
+// reported with both id lists.
+inline void expect_ids_match_fixture(const Tokenizer& tokenizer, const std::filesystem::path& fixture,
+                                     size_t min_rows = 1) {
+  const auto rows = read_jsonl(fixture);
+  ASSERT_GE(rows.size(), min_rows) << fixture;
+  size_t mismatches = 0;
+  for (const nlohmann::json& row : rows) {
+    const std::string text = row["text"];
+    const auto expected = ids_of(row);
+    const auto actual = tokenizer.encode(text);
+    if (actual != expected) {
+      ++mismatches;
+      ADD_FAILURE() << "text " << nlohmann::json(text).dump() << "\n  HF:      " << ids_to_string(expected)
+                    << "\n  memtune: " << ids_to_string(actual);
+    }
+  }
+  EXPECT_EQ(mismatches, 0u) << "of " << rows.size() << " strings in " << fixture;
+}
+
+// The messages of a chat fixture row ({"messages": [{"role", "content"}, ...]}).
+inline std::vector<ChatMessage> messages_of(const nlohmann::json& row) {
+  std::vector<ChatMessage> messages;
+  for (const nlohmann::json& m : row["messages"]) messages.push_back({m["role"], m["content"]});
+  return messages;
 }
 
 }  // namespace memtune::test
