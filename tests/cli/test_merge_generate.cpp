@@ -309,6 +309,29 @@ TEST(CliMerge, DequantizesABitsandbytes4bitBase) {
                          logits_of(dir / "quantized_on_load.safetensors")), 1e-5);
 }
 
+// QLoRA checkpoints of the other families: `memtune quantize` writes the bitsandbytes folder (the
+// projections in nf4; Qwen2's biases and Qwen3's head norms as they were), inference from it
+// equals the dense fixture quantized on load, and training starts from it.
+TEST(CliQuantize, EveryFamilyRoundTripsThroughABitsandbytesFolder) {
+  for (const char* name : {"qwen2_bias", "qwen3_qk_norm", "mistral_head_dim"}) {
+    SCOPED_TRACE(name);
+    const fs::path dir = scratch_dir(std::string("quantize_family_") + name), out = dir / "4bit";
+    const Result q = run_memtune("quantize --model " + golden(name).string() + " --out " + out.string());
+    ASSERT_EQ(q.exit_code, 0) << q.output;
+    EXPECT_NE(q.output.find("14 projections in nf4"), std::string::npos) << q.output;
+    EXPECT_EQ(LlamaConfig::from_file(out / "config.json").family, LlamaConfig::from_file(golden(name) / "config.json").family);
+    const std::string ids = "1,40,7,55,3,18,9,12,61,2";
+    ASSERT_EQ(run_memtune("logits --device cpu --model " + out.string() + " --input-ids " + ids + " --out " +
+                          (dir / "from_checkpoint.safetensors").string()).exit_code, 0);
+    ASSERT_EQ(run_memtune("logits --device cpu --load_in_4bit --model " + golden(name).string() + " --input-ids " + ids +
+                          " --out " + (dir / "on_load.safetensors").string()).exit_code, 0);
+    EXPECT_EQ(max_abs_diff(logits_of(dir / "from_checkpoint.safetensors"), logits_of(dir / "on_load.safetensors")), 0.0);
+    const Result train = run_memtune("train --device cpu --load_in_4bit --bf16 --model " + out.string() +
+                                     " --max_steps 2 --seq 24 --batch 2 --quiet");
+    EXPECT_EQ(train.exit_code, 0) << train.output;
+  }
+}
+
 TEST(CliGenerate, GreedyJsonEqualsTransformersAndSamplingIsSeeded) {
   const nlohmann::json fixture = memtune::test::read_json_fixture("generate/greedy.json");
   int checked = 0;
