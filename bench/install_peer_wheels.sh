@@ -123,13 +123,19 @@ EOF
   return 0
 }
 
+# One wheel (no dependencies) for the device's Python: CPython 3.12 on x86_64 Linux, any manylinux.
+_peer_pip_download() {
+  local py="$1" dest="$2" spec="$3"
+  "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any -d "$dest" "$spec"
+}
+
 _peer_prepare_bnb() {
   local py="$1" dir="$2" version="$3" cuda="$4" tmp
   tmp="$(mktemp -d)" || return 1
   echo "install_peer_wheels: downloading bitsandbytes==$version (manylinux x86_64, cp312)"
-  if ! "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-      --platform manylinux_2_24_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_28_x86_64 \
-      --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$tmp" "bitsandbytes==$version"; then
+  if ! _peer_pip_download "$py" "$tmp" "bitsandbytes==$version"; then
     echo "install_peer_wheels: pip download failed" >&2
     rm -rf "$tmp"
     return 1
@@ -210,9 +216,7 @@ _peer_download() {
   tmp="$(mktemp -d)" || return 1
   for spec in "$@"; do
     echo "install_peer_wheels: downloading $spec"
-    if ! "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-        --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
-        --platform manylinux2014_x86_64 --platform any -d "$tmp" "$spec"; then
+    if ! _peer_pip_download "$py" "$tmp" "$spec"; then
       echo "install_peer_wheels: pip download $spec failed" >&2
       rm -rf "$tmp"
       return 1

@@ -155,6 +155,20 @@ print(f"{label}: {report.get('peer')}")
 EOF
 }
 
+# One peer script: peer_run NAME TIMEOUT TAIL_BYTES COMMAND...: the log in $WORK/NAME.log (NAME may
+# hold a folder), its exit code and last TAIL_BYTES bytes printed, a failure counted, and the JSON
+# that the command wrote to $WORK/NAME.json summarised.
+peer_run() {
+  local name=$1 limit=$2 tail_bytes=$3; shift 3
+  timeout "$limit" "$@" > "$WORK/$name.log" 2>&1
+  local rc=$?
+  echo "$name exit code: $rc (124: timed out)"
+  [ $rc -ne 0 ] && status=1
+  [ "$tail_bytes" -gt 0 ] && tail -c "$tail_bytes" "$WORK/$name.log"
+  peer_summary "$WORK/$name.json" "$(basename "$name")"
+  return 0
+}
+
 if has_part tests; then
   stamp tests
   timeout "$TEST_TIMEOUT" "$BIN_DIR/memtune_gpu_tests" --gtest_output=xml:"$WORK/gpu_tests.xml" \
@@ -218,14 +232,9 @@ if has_part peer; then
   install_peer_wheels_once
   timeout 120 python3 "$ROOT/bench/attention_peer.py" > "$WORK/attention_peer.log" 2>&1
   echo "attention_peer.py exit code: $?"; cat "$WORK/attention_peer.log"
-  timeout "${PEER_TIMEOUT:-540}" python3 "$ROOT/bench/peer_hf.py" --config "$ROOT/configs/models/llama-3.1-8b.json" \
-    --batch 2 --accum "${LADDER_ACCUM:-2}" --seq 2048 --steps "$STEPS" --lr 2e-4 --weight-decay 0 --max-grad-norm 1.0 --lora-r 16 --lora-alpha 16 \
-    --out "$WORK/peer.json" \
-    ${PEER_ARGS:-} > "$WORK/peer.log" 2>&1
-  rc=$?
-  echo "peer_hf.py exit code: $rc"
-  [ $rc -ne 0 ] && status=1
-  tail -c 4000 "$WORK/peer.log"
+  # shellcheck disable=SC2086
+  peer_run peer "${PEER_TIMEOUT:-540}" 4000 python3 "$ROOT/bench/peer_hf.py" $PEER_SHAPE --batch 2 \
+    --accum "${LADDER_ACCUM:-2}" --seq 2048 --steps "$STEPS" --out "$WORK/peer.json" ${PEER_ARGS:-}
   for ladder in ladder ladder-offload; do
     if [ -f "$WORK/$ladder/ladder.json" ] && [ -f "$WORK/peer.json" ]; then
       "$BIN_DIR/memtune" report --ladder "$WORK/$ladder/ladder.json" --peer "$WORK/peer.json" \
@@ -384,15 +393,10 @@ if has_part unsloth; then
   stamp unsloth
   install_peer_wheels_once
   # Configurations 3 (16-bit LoRA: the flash rung) and 1 (the QLoRA rung), random ids.
-  timeout "${UNSLOTH_TIMEOUT:-480}" python3 "$ROOT/bench/peer_unsloth.py" $PEER_SHAPE --batch 2 \
+  # shellcheck disable=SC2086
+  peer_run unsloth "${UNSLOTH_TIMEOUT:-480}" 2500 python3 "$ROOT/bench/peer_unsloth.py" $PEER_SHAPE --batch 2 \
     --accum "${LADDER_ACCUM:-2}" --seq 2048 --steps "${UNSLOTH_STEPS:-4}" --only flash,qlora \
-    --model-dir "$UNSLOTH_MODEL_DIR" "${UNSLOTH_TOKENIZER[@]}" --out "$WORK/unsloth.json" ${UNSLOTH_ARGS:-} \
-    > "$WORK/unsloth.log" 2>&1
-  rc=$?
-  echo "peer_unsloth.py exit code: $rc (124: timed out)"
-  [ $rc -ne 0 ] && status=1
-  tail -c 2500 "$WORK/unsloth.log"
-  peer_summary "$WORK/unsloth.json" unsloth
+    --model-dir "$UNSLOTH_MODEL_DIR" "${UNSLOTH_TOKENIZER[@]}" --out "$WORK/unsloth.json" ${UNSLOTH_ARGS:-}
 fi
 
 if has_part unsloth-data; then
@@ -402,16 +406,12 @@ if has_part unsloth-data; then
   [ "${UNSLOTH_DATA_PACKING:-0}" = 1 ] && packs+=("--packing")
   for pk in "${packs[@]}"; do
     name=unsloth-data${pk:+-packed}
-    timeout "${UNSLOTH_TIMEOUT:-480}" python3 "$ROOT/bench/peer_unsloth.py" \
+    # shellcheck disable=SC2086
+    peer_run "$name" "${UNSLOTH_TIMEOUT:-480}" 1500 python3 "$ROOT/bench/peer_unsloth.py" \
       --config "$ROOT/configs/models/llama-3.1-8b.json" --lr 2e-4 --weight-decay 0 --lora-r 32 --lora-alpha 32 \
       --batch 2 --accum 4 --seq 2048 --steps "${UNSLOTH_STEPS:-4}" --only qlora --data "$ROOT/examples/sft-tasks.jsonl" \
       --repeat "$DATA_REPEAT" --tokenizer "$TOKENIZER" $pk --model-dir "$UNSLOTH_MODEL_DIR" \
-      --out "$WORK/$name.json" ${UNSLOTH_ARGS:-} > "$WORK/$name.log" 2>&1
-    rc=$?
-    echo "peer_unsloth.py $name exit code: $rc (124: timed out)"
-    [ $rc -ne 0 ] && status=1
-    tail -c 1500 "$WORK/$name.log"
-    peer_summary "$WORK/$name.json" "$name"
+      --out "$WORK/$name.json" ${UNSLOTH_ARGS:-}
   done
 fi
 
@@ -419,28 +419,19 @@ if has_part unsloth-context; then
   stamp unsloth-context
   install_peer_wheels_once
   for cap in $CONTEXT_CAPS; do
-    timeout "${CONTEXT_TIMEOUT:-540}" python3 "$ROOT/bench/peer_unsloth.py" $PEER_SHAPE --only qlora \
-      --max-context --cap-gib "$cap" $CONTEXT_ARGS --model-dir "$UNSLOTH_MODEL_DIR" "${UNSLOTH_TOKENIZER[@]}" \
-      --out "$WORK/unsloth-context-$cap.json" ${UNSLOTH_ARGS:-} > "$WORK/unsloth-context-$cap.log" 2>&1
-    rc=$?
-    echo "peer_unsloth.py --max-context --cap-gib $cap exit code: $rc (124: timed out)"
-    [ $rc -ne 0 ] && status=1
-    tail -c 1500 "$WORK/unsloth-context-$cap.log"
-    peer_summary "$WORK/unsloth-context-$cap.json" "unsloth-context-$cap"
+    # shellcheck disable=SC2086
+    peer_run "unsloth-context-$cap" "${CONTEXT_TIMEOUT:-540}" 1500 python3 "$ROOT/bench/peer_unsloth.py" $PEER_SHAPE \
+      --only qlora --max-context --cap-gib "$cap" $CONTEXT_ARGS --model-dir "$UNSLOTH_MODEL_DIR" \
+      "${UNSLOTH_TOKENIZER[@]}" --out "$WORK/unsloth-context-$cap.json" ${UNSLOTH_ARGS:-}
   done
 fi
 
 if has_part liger; then
   stamp liger
   install_peer_wheels_once
-  timeout "${LIGER_TIMEOUT:-480}" python3 "$ROOT/bench/peer_hf.py" $PEER_SHAPE --liger --batch 2 \
-    --accum "${LADDER_ACCUM:-2}" --seq 2048 --steps "${LIGER_STEPS:-3}" --out "$WORK/peer-liger.json" \
-    ${LIGER_ARGS:-} > "$WORK/peer-liger.log" 2>&1
-  rc=$?
-  echo "peer_hf.py --liger exit code: $rc (124: timed out)"
-  [ $rc -ne 0 ] && status=1
-  tail -c 3000 "$WORK/peer-liger.log"
-  peer_summary "$WORK/peer-liger.json" liger
+  # shellcheck disable=SC2086
+  peer_run peer-liger "${LIGER_TIMEOUT:-480}" 3000 python3 "$ROOT/bench/peer_hf.py" $PEER_SHAPE --liger --batch 2 \
+    --accum "${LADDER_ACCUM:-2}" --seq 2048 --steps "${LIGER_STEPS:-3}" --out "$WORK/peer-liger.json" ${LIGER_ARGS:-}
 fi
 
 # memtune on the peer-data part's data: the QLoRA full stack (host embeddings) on sft-tasks.jsonl x
@@ -476,14 +467,10 @@ if has_part peer-data; then
     mkdir -p "$WORK/peer-data"
     for pk in "" "--packing"; do
       name=peer-data${pk:+-packed}
-      timeout "${DATA_TIMEOUT:-240}" python3 "$ROOT/bench/peer_hf.py" $PEER_SHAPE --only qlora --batch 2 \
-        --accum 2 --seq 2048 --steps "${DATA_STEPS:-6}" --data "$ROOT/examples/sft-tasks.jsonl" \
-        --repeat "$DATA_REPEAT" --tokenizer "$TOKENIZER" $pk --out "$WORK/peer-data/$name.json" ${PEER_ARGS:-} \
-        > "$WORK/peer-data/$name.log" 2>&1
-      rc=$?
-      echo "peer_hf.py $name exit code: $rc (124: timed out)"
-      [ $rc -ne 0 ] && status=1
-      peer_summary "$WORK/peer-data/$name.json" "$name"
+      # shellcheck disable=SC2086
+      peer_run "peer-data/$name" "${DATA_TIMEOUT:-240}" 0 python3 "$ROOT/bench/peer_hf.py" $PEER_SHAPE --only qlora \
+        --batch 2 --accum 2 --seq 2048 --steps "${DATA_STEPS:-6}" --data "$ROOT/examples/sft-tasks.jsonl" \
+        --repeat "$DATA_REPEAT" --tokenizer "$TOKENIZER" $pk --out "$WORK/peer-data/$name.json" ${PEER_ARGS:-}
     done
     [ "${PEER_DATA_MEMTUNE:-1}" = 1 ] && memtune_peer_data
   fi
@@ -493,12 +480,9 @@ if has_part peer-context; then
   stamp peer-context
   install_peer_wheels_once
   for cap in $CONTEXT_CAPS; do
-    timeout "${CONTEXT_TIMEOUT:-540}" python3 "$ROOT/bench/peer_hf.py" $PEER_SHAPE --max-context --cap-gib "$cap" \
-      $CONTEXT_ARGS --out "$WORK/peer-context-$cap.json" ${PEER_ARGS:-} > "$WORK/peer-context-$cap.log" 2>&1
-    rc=$?
-    echo "peer_hf.py --max-context --cap-gib $cap exit code: $rc (124: timed out)"
-    [ $rc -ne 0 ] && status=1
-    peer_summary "$WORK/peer-context-$cap.json" "peer-context-$cap"
+    # shellcheck disable=SC2086
+    peer_run "peer-context-$cap" "${CONTEXT_TIMEOUT:-540}" 0 python3 "$ROOT/bench/peer_hf.py" $PEER_SHAPE \
+      --max-context --cap-gib "$cap" $CONTEXT_ARGS --out "$WORK/peer-context-$cap.json" ${PEER_ARGS:-}
   done
 fi
 

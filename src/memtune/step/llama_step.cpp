@@ -870,16 +870,21 @@ void LlamaStep::loss_and_head(const Tensor& last_hidden, float loss_grad_scale, 
   memory_.free(rstd);
 }
 
+Tensor LlamaStep::embed_inputs(MemCategory category) {
+  Tensor x = alloc_tokens("layers.0.layer_input", category, options_.compute_dtype,
+                          Shape{tokens_, config_.hidden_size});
+  acquire_unit(FrozenBaseUnits::kEmbedding);
+  backend_.embedding_forward(x, weights_.embed_tokens, batch_.input_ids);
+  release_unit(FrozenBaseUnits::kEmbedding);
+  return x;
+}
+
 void LlamaStep::forward_backward(float loss_grad_scale, uint64_t dropout_seed) {
   if (options_.offload_activations) return forward_backward_offloaded(loss_grad_scale, dropout_seed);
   const int layers = static_cast<int>(config_.num_hidden_layers);
   std::vector<LayerState> states(layers);
   begin_base_pass(/*with_backward=*/true);
-  Tensor x = alloc_tokens("layers.0.layer_input", MemCategory::saved_activations,
-                          options_.compute_dtype, Shape{tokens_, config_.hidden_size});
-  acquire_unit(FrozenBaseUnits::kEmbedding);
-  backend_.embedding_forward(x, weights_.embed_tokens, batch_.input_ids);
-  release_unit(FrozenBaseUnits::kEmbedding);
+  Tensor x = embed_inputs(MemCategory::saved_activations);
   for (int l = 0; l < layers; ++l) {
     states[l].acts[static_cast<int>(Act::layer_input)] = x;
     acquire_unit(l);
@@ -964,11 +969,7 @@ void LlamaStep::forward_backward_offloaded(float loss_grad_scale, uint64_t dropo
 void LlamaStep::forward_loss() {
   const int layers = static_cast<int>(config_.num_hidden_layers);
   begin_base_pass(/*with_backward=*/false);
-  Tensor x = alloc_tokens("layers.0.layer_input", MemCategory::transient_activations,
-                          options_.compute_dtype, Shape{tokens_, config_.hidden_size});
-  acquire_unit(FrozenBaseUnits::kEmbedding);
-  backend_.embedding_forward(x, weights_.embed_tokens, batch_.input_ids);
-  release_unit(FrozenBaseUnits::kEmbedding);
+  Tensor x = embed_inputs(MemCategory::transient_activations);
   for (int l = 0; l < layers; ++l) {
     LayerState state;
     state.acts[static_cast<int>(Act::layer_input)] = x;

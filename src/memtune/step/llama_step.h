@@ -226,6 +226,8 @@ class LlamaStep {
   // The attention op's backward from d_attn into dq, dk, dv (allocated here), then rope's.
   void attention_backward(int layer, LayerState& state, const Tensor& d_attn, Tensor& dq,
                           Tensor& dk, Tensor& dv);
+  // The micro-batch's token embeddings: layer 0's input, allocated in `category`.
+  Tensor embed_inputs(MemCategory category);
   // The layer output buffer of `layer` (the next layer's input).
   Tensor alloc_layer_output(int layer, bool training);
   // forward_backward with the layer inputs offloaded to host memory.
