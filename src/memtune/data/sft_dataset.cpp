@@ -218,7 +218,9 @@ Dataset read_dataset(std::istream& in, const std::string& name, const Tokenizer&
       nlohmann::json j;
       try {
         j = nlohmann::json::parse(line);
-      } catch (const nlohmann::json::parse_error& e) {
+      } catch (const nlohmann::json::exception& e) {
+        // parse_error, and out_of_range for a number too large for a double ("3e513": found by
+        // fuzz/fuzz_dataset.cpp).
         mt_fail("{}: not valid JSON ({})", where, json_exception_reason(e));
       }
       MT_USER_CHECK(j.is_object(), "{}: not a JSON object", where);
