@@ -33,6 +33,7 @@
 #       peer-data  bench/peer_hf.py, QLoRA full stack, 2 x 2048, accumulation 2, on sft-tasks.jsonl x
 #                  DATA_REPEAT with the Llama 3 tokenizer, unpacked (padded to the longest row) and
 #                  packed; then memtune on the same data in each data mode (memtune_peer_data below)
+#       memtune-data  the memtune half of peer-data alone (DATA_MODES picks the modes)
 #       peer-context  bench/peer_hf.py --max-context (QLoRA rung at batch 1) under each cap of CONTEXT_CAPS
 #       configs    memtune on issue 21's configurations 1-3 (CONFIGS: a comma list of the variants in
 #                  the part's comment; CONFIG_STEPS 6, CONFIG_TIMEOUT 150 s a run)
@@ -474,6 +475,13 @@ if has_part peer-data; then
     done
     [ "${PEER_DATA_MEMTUNE:-1}" = 1 ] && memtune_peer_data
   fi
+fi
+
+# memtune-data: memtune alone on the peer-data part's data, in the modes of DATA_MODES (the peer's
+# figures of an earlier call stand beside it).
+if has_part memtune-data; then
+  stamp memtune-data
+  if [ -f "$TOKENIZER" ]; then memtune_peer_data; else echo "memtune-data: no tokenizer at $TOKENIZER"; status=1; fi
 fi
 
 if has_part peer-context; then

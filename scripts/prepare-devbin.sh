@@ -35,6 +35,10 @@ fi
 if [ "${DEVBIN_FUZZ:-0}" = 1 ]; then
   FUZZ_SECONDS=1 bash scripts/fuzz.sh > build/fuzz-build.log 2>&1 || { tail -20 build/fuzz-build.log; exit 1; }
   mkdir -p .devbin/fuzz
+  # clang's OpenMP runtime, which the fuzz binaries link and the device lacks (found in BIN_DIR
+  # through device-check's LD_LIBRARY_PATH).
+  cp "$(clang -print-file-name=libomp.so.5 2>/dev/null || true)" .devbin/ 2>/dev/null \
+    || cp /usr/lib/llvm-*/lib/libomp.so.5 .devbin/ 2>/dev/null || echo "prepare-devbin: no libomp.so.5 found" >&2
   for t in build-fuzz/fuzz_*; do
     [ -x "$t" ] && [ -f "$t" ] && strip -g -o ".devbin/fuzz/$(basename "$t")" "$t" && gzip -9 -f ".devbin/fuzz/$(basename "$t")"
   done

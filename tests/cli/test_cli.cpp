@@ -498,6 +498,47 @@ TEST(CliTrain, ShortSamplesWithoutPackingGetANoteAboutPacking) {
   EXPECT_EQ(long_enough.output.find(note), std::string::npos) << long_enough.output;
 }
 
+// One-sample rows padded to the longest of their micro-batch never outgrow the data's longest
+// sample: the engine is planned for that row length (a smaller plan, the same loss), and says so;
+// the data position and the messages keep --max_seq_length. Packing and --padding max_length
+// fill rows of max_seq_length, so their plan stays.
+TEST(CliTrain, UnpackedShortSamplesPlanTheEngineForTheLongestRowOnly) {
+  const fs::path dir = scratch_dir("train_planned_rows");
+  const std::string chat = write_lines(
+      dir / "chat.jsonl",
+      {R"({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]})",
+       R"({"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]})",
+       R"({"messages": [{"role": "user", "content": "Sky?"}, {"role": "assistant", "content": "Blue."}]})",
+       R"({"messages": [{"role": "user", "content": "Bye"}, {"role": "assistant", "content": "Bye."}]})"});
+  const auto run = [&](const std::string& name, const std::string& flags) {
+    const fs::path metrics = dir / (name + ".metrics.jsonl");
+    const Result r = run_memtune("train --device cpu --seq 512 --batch 2 --max_steps 2 --quiet --seed 3 --metrics " +
+                                 metrics.string() + " " + flags + " --data " + chat);
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    return std::pair{r, read_jsonl(metrics)};
+  };
+  const auto [unpacked, unpacked_records] = run("unpacked", "");
+  const auto [full_rows, full_records] = run("max_length", "--padding max_length");
+  const auto [packed, packed_records] = run("packed", "--packing");
+  const std::string note = "the engine is planned for rows of 64, not --max_seq_length 512";
+  EXPECT_NE(unpacked.output.find(note), std::string::npos) << unpacked.output;
+  EXPECT_EQ(full_rows.output.find("the engine is planned for rows"), std::string::npos) << full_rows.output;
+  EXPECT_EQ(packed.output.find("the engine is planned for rows"), std::string::npos) << packed.output;
+  const auto first_step = [](const std::vector<nlohmann::json>& records) {
+    const std::vector<nlohmann::json> steps = events_of(records, "step");
+    return steps.empty() ? nlohmann::json::object() : steps.front();
+  };
+  const nlohmann::json short_rows = first_step(unpacked_records), long_rows = first_step(full_records);
+  ASSERT_TRUE(short_rows.contains("planned_peak_bytes") && long_rows.contains("planned_peak_bytes"));
+  EXPECT_LT(short_rows["planned_peak_bytes"].get<uint64_t>(), long_rows["planned_peak_bytes"].get<uint64_t>());
+  EXPECT_EQ(first_step(packed_records)["planned_peak_bytes"], long_rows["planned_peak_bytes"]);
+  // The same rows train: padding has no target, so the losses are those of the full-row run.
+  EXPECT_NEAR(short_rows["loss"].get<double>(), long_rows["loss"].get<double>(), 1e-4);
+  const std::vector<nlohmann::json> data = events_of(unpacked_records, "data");
+  ASSERT_EQ(data.size(), 1u);
+  EXPECT_EQ(data[0]["max_seq_length"], 512);
+}
+
 TEST(CliTrain, EachSftFormTrainsPackedWithAnEvalSplitAndReportsItsData) {
   const fs::path dir = scratch_dir("train_sft_forms");
   const std::string text = sft_text_file(dir);

@@ -72,9 +72,10 @@ struct Variant {
   const char* loss;
   bool qlora = false;
   bool offload = false;  // the layer inputs through pinned host memory (with checkpointing)
+  bool stacked = false;  // one LoRA A GEMM for q/k/v and one for gate/up (--stacked_lora)
   std::string name() const {
     return std::string(precision_name(precision)) + "/" + attention + (checkpointing ? "/ckpt" : "") +
-           "/" + loss + (qlora ? "/nf4" : "") + (offload ? "/offload" : "");
+           "/" + loss + (qlora ? "/nf4" : "") + (offload ? "/offload" : "") + (stacked ? "/stacked" : "");
   }
 };
 
@@ -89,6 +90,10 @@ TEST_F(CudaStepTest, WholeStepsMatchTheCpuInEveryPrecisionAndTechnique) {
       {Precision::fp16, "flash", true, "chunked"},   {Precision::bf16, "flash", true, "chunked", true},
       {Precision::fp32, "flash", true, "chunked", false, true},
       {Precision::bf16, "flash", true, "chunked", true, true},
+      {Precision::fp32, "eager", false, "full", false, false, true},
+      {Precision::fp32, "flash", true, "chunked", false, false, true},
+      {Precision::bf16, "flash", true, "chunked", true, false, true},
+      {Precision::bf16, "flash", true, "chunked", true, true, true},
   };
   for (const Variant& v : variants) {
     SCOPED_TRACE(v.name());
@@ -100,6 +105,7 @@ TEST_F(CudaStepTest, WholeStepsMatchTheCpuInEveryPrecisionAndTechnique) {
     run.loss_chunk_tokens = 24;
     run.load_in_4bit = v.qlora;
     run.offload_activations = v.offload;
+    run.stacked_lora = v.stacked;
     run.mlp_chunk_tokens = 16;  // token chunks under checkpointing, with a short last chunk (80 rows)
     const StepOutcome want = two_steps(cpu(), run, model);
     const StepOutcome got = two_steps(gpu(), run, model);

@@ -844,6 +844,20 @@ int run_cli(int argc, char** argv) {
     eval_data = read_dataset(eval_path, tokenizer, model.vocab_size, data_options);
   }
   const bool has_eval = !eval_data.samples.empty();
+  // Rows of one sample padded to the longest of their micro-batch never outgrow the data's
+  // longest sample: the engine (its plan, --vram verdict and workspaces) is sized for that.
+  const int64_t max_seq_length = run.max_seq_length;
+  const Padding padding_kind = padding == "max_length" ? Padding::max_length : Padding::longest;
+  if (!data_path.empty()) {
+    const int64_t row_tokens = planned_row_tokens({&data, &eval_data}, max_seq_length, packing, padding_kind,
+                                                  pad_to_multiple_of);
+    if (row_tokens < max_seq_length) {
+      std::cerr << fmt::format("memtune: note: no row of this data is longer than {} tokens (its longest sample, "
+                               "rounded up to a multiple of {}): the engine is planned for rows of {}, not "
+                               "--max_seq_length {}\n", row_tokens, pad_to_multiple_of, row_tokens, max_seq_length);
+      run.max_seq_length = row_tokens;
+    }
+  }
   // transformers: max_steps > 0 overrides num_train_epochs. A YAML run config may set it too.
   const bool max_steps_given = train_cmd->count("--max_steps") > 0 || run.max_steps != RunConfig{}.max_steps;
   if (num_train_epochs > 0 && !max_steps_given) {
@@ -892,8 +906,9 @@ int run_cli(int argc, char** argv) {
   if (!init_adapter.empty()) engine->load_adapter(init_adapter);
   TrainerOptions options;
   options.packing = packing;
-  options.padding = padding == "max_length" ? Padding::max_length : Padding::longest;
+  options.padding = padding_kind;
   options.pad_to_multiple_of = pad_to_multiple_of;
+  options.max_seq_length = max_seq_length;
   options.padding_free = padding_free;
   options.group_by_length = group_by_length;
   options.data_seed = shuffle_seed;

@@ -146,6 +146,19 @@ std::vector<RowLayout> training_rows(const Dataset& data, int64_t seq, bool pack
   return rows_one_sample_each(data.samples);
 }
 
+int64_t planned_row_tokens(const std::vector<const Dataset*>& datasets, int64_t max_seq_length, bool packing,
+                           Padding padding, int64_t pad_to_multiple_of) {
+  if (packing || padding == Padding::max_length) return max_seq_length;
+  int64_t longest = 0;
+  for (const Dataset* data : datasets)
+    if (data != nullptr)
+      for (const Sample& sample : data->samples) longest = std::max<int64_t>(longest, sample.input_ids.size());
+  // No data, or a sample over max_seq_length (training_rows refuses it, naming it): the run's rows.
+  if (longest == 0 || longest > max_seq_length) return max_seq_length;
+  // A row is a token and its next token at least (RunConfig::validate).
+  return std::max<int64_t>(2, padded_length(longest, pad_to_multiple_of, max_seq_length));
+}
+
 int64_t steps_per_epoch(int64_t rows, int64_t batch, int64_t accumulation) {
   const int64_t micro_batches = (rows + batch - 1) / batch;
   return std::max<int64_t>(1, (micro_batches + accumulation - 1) / accumulation);
@@ -167,6 +180,7 @@ Trainer::Trainer(Engine& engine, const Dataset& train, const Dataset* eval, Trai
       batch_(engine.run().per_device_train_batch_size),
       accumulation_(engine.run().gradient_accumulation_steps),
       seq_(engine.run().max_seq_length),
+      max_seq_length_(options_.max_seq_length > 0 ? options_.max_seq_length : seq_),
       rows_(training_rows(train, seq_, options_.packing)),
       fingerprint_(dataset_fingerprint(train)),
       health_(options_.step_health) {
@@ -274,7 +288,7 @@ nlohmann::json Trainer::layout_fields() const {
 nlohmann::json Trainer::checkpoint_fields() const {
   nlohmann::json position = {{"epoch", position_.epoch}, {"index", position_.next_row}, {"shuffle_seed", options_.data_seed},
                              {"rows_per_epoch", rows_per_epoch()}, {"data_fingerprint", hex64(fingerprint_)},
-                             {"packing", options_.packing}, {"max_seq_length", seq_}};
+                             {"packing", options_.packing}, {"max_seq_length", max_seq_length_}};
   position.update(layout_fields());
   return {{"data_position", position},
           // Dropout masks are a hash of (seed, step, micro-batch): the step is the RNG state.
@@ -315,12 +329,12 @@ void Trainer::restore(const nlohmann::json& state) {
   const bool packing = json_get<bool>(p, "packing", where);
   const int64_t seq = json_get<int64_t>(p, "max_seq_length", where);
   MT_USER_CHECK(rows == rows_per_epoch() && fingerprint == hex64(fingerprint_) && packing == options_.packing &&
-                    seq == seq_,
+                    seq == max_seq_length_,
                 "--resume {}: its data position counts in {} rows (data {}, packing {}, max_seq_length {}), but "
                 "this run has {} rows (data {}, packing {}, max_seq_length {}); resume with the same data, "
                 "--packing and --max_seq_length, or start a new run from its adapter with --init-adapter {}",
                 options_.resume_from.string(), rows, fingerprint, packing, seq, rows_per_epoch(),
-                hex64(fingerprint_), options_.packing, seq_, options_.resume_from.string());
+                hex64(fingerprint_), options_.packing, max_seq_length_, options_.resume_from.string());
   const bool grouped = p.contains("group_by_length") && json_get<bool>(p, "group_by_length", where);
   MT_USER_CHECK(grouped == options_.group_by_length,
                 "--resume {}: the checkpoint was trained with group_by_length {}, this run has {}: the data order "
@@ -383,14 +397,14 @@ TrainOutcome Trainer::run() {
   // ---- end data parallel ----
   MetricsLog metrics(options_.metrics_path);
   if (!options_.train_data_name.empty()) {
-    err_ << dataset_summary(options_.train_data_name, train_, seq_) << rows_summary(rows_, seq_, options_)
-         << "\n" << packing_hint(train_, seq_, options_);
-    metrics.write(data_event("train", options_.train_data_name, train_, rows_, seq_, options_.packing));
+    err_ << dataset_summary(options_.train_data_name, train_, max_seq_length_) << rows_summary(rows_, seq_, options_)
+         << "\n" << packing_hint(train_, max_seq_length_, options_);
+    metrics.write(data_event("train", options_.train_data_name, train_, rows_, max_seq_length_, options_.packing));
   }
   if (eval_ != nullptr) {
-    err_ << dataset_summary(options_.eval_data_name, *eval_, seq_) << rows_summary(eval_rows_, seq_, options_)
+    err_ << dataset_summary(options_.eval_data_name, *eval_, max_seq_length_) << rows_summary(eval_rows_, seq_, options_)
          << "\n";
-    metrics.write(data_event("eval", options_.eval_data_name, *eval_, eval_rows_, seq_, options_.packing));
+    metrics.write(data_event("eval", options_.eval_data_name, *eval_, eval_rows_, max_seq_length_, options_.packing));
   }
   std::shared_ptr<OutputDirLock> output_lock = options_.output_lock;
   if (!options_.out_dir.empty() && !output_lock) {
@@ -453,7 +467,9 @@ TrainOutcome Trainer::run() {
                              {"targets_per_second", report.targets / seconds},
                              {"computed_tokens_per_second", report.tokens / seconds},
                              {"lr", report.learning_rate}, {"epoch", epochs_done},
-                             {"grad_norm", std::isfinite(report.grad_norm) ? nlohmann::json(report.grad_norm) : nlohmann::json()}};
+                             {"grad_norm", std::isfinite(report.grad_norm) ? nlohmann::json(report.grad_norm) : nlohmann::json()},
+                             {"planned_peak_bytes", options_.planned_peak_bytes},
+                             {"engine_peak_bytes", engine_.memory().allocator().high_water()}};
     if (fp16) record["skipped"] = report.skipped;
     if (profiled) record["profiled"] = true;
     if (done <= replayed_until) record["replayed"] = true;  // logged before by the run this one resumes

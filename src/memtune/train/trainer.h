@@ -56,6 +56,9 @@ struct TrainerOptions {
   bool packing = false;         // TRL SFTConfig.packing
   Padding padding = Padding::longest;
   int64_t pad_to_multiple_of = 64;  // transformers' collator name; the kernels' tile size
+  // The run's --max_seq_length, where the engine plans shorter rows than it (planned_row_tokens):
+  // what the messages, the metrics and the checkpoint's data position name. 0: the engine's.
+  int64_t max_seq_length = 0;
   bool padding_free = false;    // TRL SFTConfig.padding_free
   bool group_by_length = false; // transformers TrainingArguments.group_by_length
   uint64_t data_seed = 42;      // transformers' data_seed (defaults to seed)
@@ -119,6 +122,14 @@ struct TrainOutcome {
 
 // The rows a dataset makes (one per sample, or packed by best-fit decreasing).
 std::vector<RowLayout> training_rows(const Dataset& data, int64_t seq, bool packing);
+// The longest row that one-sample rows padded to the longest of their micro-batch reach: the
+// longest sample of `datasets` (null entries skipped) rounded up to pad_to_multiple_of, at most
+// max_seq_length. The engine is planned at that row length, so that a run on short samples does
+// not hold activations, workspaces and a --vram verdict for max_seq_length tokens no row reaches
+// (transformers' collators allocate per batch; this is the same bound, known before the run).
+// max_seq_length where rows are that long whatever the data: packing, Padding::max_length.
+int64_t planned_row_tokens(const std::vector<const Dataset*>& datasets, int64_t max_seq_length, bool packing,
+                           Padding padding, int64_t pad_to_multiple_of);
 // A run without --packing whose samples average at most max_seq_length / kPackingHintRatio
 // tokens is told, once, what --packing would give it.
 inline constexpr double kPackingHintRatio = 4;
@@ -172,7 +183,9 @@ class Trainer {
   TrainerOptions options_;
   std::ostream& out_;
   std::ostream& err_;
-  int64_t batch_, accumulation_, seq_;
+  // seq_: the engine's planned row length, the longest a row may be; max_seq_length_: the run's
+  // --max_seq_length (TrainerOptions::max_seq_length), which the data position and messages name.
+  int64_t batch_, accumulation_, seq_, max_seq_length_;
   std::vector<RowLayout> rows_, eval_rows_;
   uint64_t fingerprint_;
   DataPosition position_;
