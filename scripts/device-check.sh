@@ -331,8 +331,9 @@ timed_train() {
 #                          inputs in pinned host memory (as Unsloth's "unsloth" checkpointing)
 #   lora16, lora16-offload configuration 3: 16-bit LoRA (bf16, ckpt, fused attention, chunked loss,
 #                          host embeddings); + activation offload
-#   qlora-stacked, lora16-stacked  configurations 1 and 3 with --stacked_lora true (one LoRA A GEMM
-#                          for q/k/v and one for gate/up), profiled: the A/B against qlora and lora16
+#   qlora-unstacked, lora16-unstacked  configurations 1 and 3 with --stacked_lora false (one LoRA A
+#                          GEMM per projection, not one for q/k/v and one for gate/up), profiled: the
+#                          A/B against qlora and lora16
 #   data-unpacked, data-packed  configuration 2: QLoRA, batch 2 x accumulation 4, r32 a32, on
 #                          sft-tasks.jsonl x DATA_REPEAT through the Llama 3 tokenizer
 if has_part configs; then
@@ -348,10 +349,10 @@ if has_part configs; then
   for variant in "qlora|$QLORA $SHAPE1 --profile" "qlora-offload|$QLORA --offload_activations $SHAPE1" \
                  "lora16|$LORA16 $SHAPE1 --profile" "lora16-offload|$LORA16 --offload_activations $SHAPE1" \
                  "data-unpacked|$QLORA $SHAPE2" "data-packed|$QLORA $SHAPE2 --packing" \
-                 "qlora-stacked|$QLORA $SHAPE1 --stacked_lora true --profile" \
-                 "lora16-stacked|$LORA16 $SHAPE1 --stacked_lora true --profile"; do
+                 "qlora-unstacked|$QLORA $SHAPE1 --stacked_lora false --profile" \
+                 "lora16-unstacked|$LORA16 $SHAPE1 --stacked_lora false --profile"; do
     name=${variant%%|*}; args=${variant#*|}
-    case ",${CONFIGS:-qlora,qlora-offload,lora16,lora16-offload,data-unpacked,data-packed,qlora-stacked,lora16-stacked}," in *",$name,"*) ;; *) continue;; esac
+    case ",${CONFIGS:-qlora,qlora-offload,lora16,lora16-offload,data-unpacked,data-packed,qlora-unstacked,lora16-unstacked}," in *",$name,"*) ;; *) continue;; esac
     # shellcheck disable=SC2086
     timed_train "$C" "$name" "${CONFIG_TIMEOUT:-150}" $args --max_steps "${CONFIG_STEPS:-6}"
   done

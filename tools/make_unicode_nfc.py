@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Writes src/memtune/data/unicode_nfc_table.cpp: the Unicode data that NFC needs, taken from
+"""Writes generated/unicode_nfc_table.cpp: the Unicode data that NFC needs, taken from
 Python's unicodedata (the Unicode version is written into the file).
 
 Three tables:
@@ -20,7 +20,7 @@ import unicodedata
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-OUT = REPO / "src/memtune/data/unicode_nfc_table.cpp"
+OUT = REPO / "generated/unicode_nfc_table.cpp"
 CASES = REPO / "tests/fixtures/tokenizer/nfc_cases.jsonl"
 HANGUL_FIRST, HANGUL_LAST = 0xAC00, 0xD7A3
 

@@ -165,24 +165,14 @@ TEST_F(CudnnAttentionTest, WholeStepMatchesFlash) {
     r.gradient_checkpointing = checkpointing;
     r.packed_rows = true;  // as train --packing sets it
     PlannedEngine engine(gpu(), r, model);
-    engine->init_random_weights(7);
-    engine->init_adapters(11);
-    for (const LoraTensors& t : engine->lora().tensors())
-      gpu().fill_random(t.b, Backend::Distribution::normal, 0.0f, 0.05f, 3);
-    engine->lora().sync_compute_copies(gpu());
+    enginetest::init_with_nonzero_b(engine.engine());
     std::vector<double> losses;
     std::vector<float> grads;
     for (int s = 0; s < 2; ++s) {
       const StepReport report =
           engine->train_step(enginetest::random_batches(model, r, 2, 5 + s, /*padding_step=*/7));
       losses.push_back(report.loss);
-      if (s == 0)
-        for (const LoraTensors& t : engine->lora().tensors())
-          for (const Tensor* g : {&t.grad_a, &t.grad_b}) {
-            std::vector<uint8_t> raw(g->nbytes());
-            gpu().copy_to_host(raw.data(), *g);
-            for (int64_t i = 0; i < g->numel(); ++i) grads.push_back(load_as_f32(raw.data(), g->dtype, i));
-          }
+      if (s == 0) grads = enginetest::adapter_grads(engine.engine());
     }
     EXPECT_TRUE(engine->step().batch().one_sample_per_row) << attention;
     EXPECT_EQ(engine->memory().allocator().high_water(), engine.plan().arena_bytes) << attention;
@@ -684,24 +674,14 @@ TEST_F(CudnnRaggedTest, WholePackedStepMatchesFlash) {
     r.attn_implementation = attention;
     r.gradient_checkpointing = checkpointing;
     PlannedEngine engine(gpu(), r, model);
-    engine->init_random_weights(7);
-    engine->init_adapters(11);
-    for (const LoraTensors& t : engine->lora().tensors())
-      gpu().fill_random(t.b, Backend::Distribution::normal, 0.0f, 0.05f, 3);
-    engine->lora().sync_compute_copies(gpu());
+    enginetest::init_with_nonzero_b(engine.engine());
     const cuda::CudnnStats before = op().stats();
     std::vector<double> losses;
     std::vector<float> grads;
     for (int s = 0; s < 2; ++s) {
       const StepReport report = engine->train_step(packed_batches(2, 5 + s));
       losses.push_back(report.loss);
-      if (s == 0)
-        for (const LoraTensors& t : engine->lora().tensors())
-          for (const Tensor* g : {&t.grad_a, &t.grad_b}) {
-            std::vector<uint8_t> raw(g->nbytes());
-            gpu().copy_to_host(raw.data(), *g);
-            for (int64_t i = 0; i < g->numel(); ++i) grads.push_back(load_as_f32(raw.data(), g->dtype, i));
-          }
+      if (s == 0) grads = enginetest::adapter_grads(engine.engine());
     }
     const cuda::CudnnStats after = op().stats();
     EXPECT_FALSE(engine->step().batch().one_sample_per_row) << attention;

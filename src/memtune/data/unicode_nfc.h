@@ -1,7 +1,7 @@
 // Unicode Normalization Form C (UAX #15), as HF tokenizers' "NFC" normalizer applies it.
 //
 // The data (combining classes, canonical decompositions, primary composites) is generated from
-// Python's unicodedata by tools/make_unicode_nfc.py into unicode_nfc_table.cpp; Hangul syllables
+// Python's unicodedata by tools/make_unicode_nfc.py into generated/unicode_nfc_table.cpp; Hangul syllables
 // are decomposed and composed by the arithmetic of The Unicode Standard, section 3.12. HF
 // tokenizers takes its tables from the unicode-normalization-alignments crate, which may carry an
 // older Unicode version than Python's: the two agree on every character both versions assign (the

@@ -19,15 +19,15 @@ Tensor flat_view(const Tensor& flat, int64_t offset, Shape shape) {
   return t;
 }
 
-// The 16-bit copies of A and B that the step multiplies with (the fp32 masters themselves in fp32).
+// The 16-bit copy of an fp32 master that the step multiplies with (the master itself in fp32).
+Tensor compute_copy(Memory& memory, const std::string& key, Shape shape, DType compute_dtype, const Tensor& master) {
+  if (compute_dtype == DType::f32) return master;
+  return memory.alloc(key + ".compute", MemCategory::adapters, compute_dtype, shape);
+}
+
 void allocate_compute_copies(Memory& memory, const LoraSpec& spec, LoraTensors& t, DType compute_dtype) {
-  if (compute_dtype == DType::f32) {
-    t.a_compute = t.a;
-    t.b_compute = t.b;
-    return;
-  }
-  t.a_compute = memory.alloc(spec.a_key + ".compute", MemCategory::adapters, compute_dtype, spec.a_shape);
-  t.b_compute = memory.alloc(spec.b_key + ".compute", MemCategory::adapters, compute_dtype, spec.b_shape);
+  t.a_compute = compute_copy(memory, spec.a_key, spec.a_shape, compute_dtype, t.a);
+  t.b_compute = compute_copy(memory, spec.b_key, spec.b_shape, compute_dtype, t.b);
 }
 
 // AdamW's two fp32 moments of every A and B, after all the adapters and grads.
@@ -133,12 +133,12 @@ LoraState LoraState::allocate(Memory& memory, const LlamaConfig& model, const Lo
                          state.tensors_, &LoraTensors::a_compute);
     } else if (!stacked[i]) {
       t.a = memory.alloc(spec.a_key, MemCategory::adapters, DType::f32, spec.a_shape);
-      if (separate_copies) t.a_compute = memory.alloc(spec.a_key + ".compute", MemCategory::adapters, compute_dtype, spec.a_shape);
+      t.a_compute = compute_copy(memory, spec.a_key, spec.a_shape, compute_dtype, t.a);
     }
     t.b = memory.alloc(spec.b_key, MemCategory::adapters, DType::f32, spec.b_shape);
-    t.b_compute = separate_copies ? memory.alloc(spec.b_key + ".compute", MemCategory::adapters, compute_dtype, spec.b_shape) : t.b;
+    t.b_compute = compute_copy(memory, spec.b_key, spec.b_shape, compute_dtype, t.b);
   }
-  if (!separate_copies)  // fp32: the GEMMs read the masters (a stacked member's set with its group's first)
+  if (!separate_copies)  // fp32: a stacked member's A is set with its group's first, after the loop
     for (LoraTensors& t : state.tensors_) t.a_compute = t.a;
   for (size_t i = 0; i < state.specs_.size(); ++i) {
     const LoraSpec& spec = state.specs_[i];

@@ -38,6 +38,18 @@ inline constexpr LoraInputGroup kLoraInputGroups[] = {
 };
 inline constexpr int kNumLoraInputGroups = 2;
 
+// Where a projection sits in kLoraInputGroups: its group and its place in the group's members;
+// group -1 for a projection that reads an input of its own (o, down).
+struct LoraGroupPlace {
+  int group = -1, member = -1;
+};
+constexpr LoraGroupPlace lora_input_group_of(Projection p) {
+  for (int g = 0; g < kNumLoraInputGroups; ++g)
+    for (int m = 0; m < kLoraInputGroups[g].size; ++m)
+      if (kLoraInputGroups[g].members[m] == p) return {g, m};
+  return {};
+}
+
 // The rows of `first` through `first + count` tensors' worth, when `parts` (count tensors of one
 // dtype and shape [r, in]) lie end to end in memory from parts[0]: one [count * r, in] view;
 // an empty tensor otherwise.

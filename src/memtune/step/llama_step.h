@@ -223,9 +223,12 @@ class LlamaStep {
   void layer_backward(int layer, LayerState& state, const Tensor& d_resid, uint64_t dropout_seed);
   void layer_backward_chunked(int layer, LayerState& state, const Tensor& d_resid,
                               uint64_t dropout_seed, int64_t chunk_rows);
-  // The attention op's backward from d_attn into dq, dk, dv (allocated here), then rope's.
+  // The attention op's backward from d_attn into dq, dk, dv (allocated here).
   void attention_backward(int layer, LayerState& state, const Tensor& d_attn, Tensor& dq,
                           Tensor& dk, Tensor& dv);
+  // From the grad of the attention output (d_attn, freed here) to those of the q/k/v projections'
+  // outputs (allocated here): attention_backward, then rope's and (Qwen3) the per-head norm's.
+  void qkv_output_grads(int layer, LayerState& state, Tensor& d_attn, Tensor& dq, Tensor& dk, Tensor& dv);
   // The micro-batch's token embeddings: layer 0's input, allocated in `category`.
   Tensor embed_inputs(MemCategory category);
   // The layer output buffer of `layer` (the next layer's input).
@@ -267,15 +270,19 @@ class LlamaStep {
   // member's u^T = A x^T, [members * r, rows], and the backward forms every member's A grad and
   // the LoRA part of dx in one GEMM each; the B products stay per member, the math (PEFT's order,
   // u rounded to the compute dtype) unchanged. Else each member runs linear_forward / _backward.
-  // The A of the group as one [members * r, in] view, or empty when it cannot stack.
-  Tensor stacked_lora_a(int layer, const LoraInputGroup& group) const;
+  // The A of the group as one [members * r, in] view, or empty when it cannot stack (found once,
+  // by find_stacked_lora_a, when the step is built).
+  const Tensor& stacked_lora_a(int layer, const LoraInputGroup& group) const;
+  Tensor find_stacked_lora_a(int layer, const LoraInputGroup& group) const;
   // ys[m]: member m's output. keep (nullable): where the u's are kept for the backward.
   void linear_group_forward(int layer, const LoraInputGroup& group, const Tensor& x, int64_t first_row,
                             const Tensor* ys, LayerState* keep, MemCategory u_category, uint64_t dropout_seed,
                             bool training);
-  // u^T [members * r, rows] of the group (stacked only).
-  Tensor stacked_lora_input(int layer, const LoraInputGroup& group, const Tensor& x, int64_t first_row,
-                            MemCategory u_category);
+  // Every member's LoRA input into keep.lora_u (members without an adapter are skipped): stacked,
+  // one GEMM into keep.lora_u_stacked[group], u^T [members * r, rows], and each member's u a view
+  // of its r rows; else one x A^T per member. free_layer frees either.
+  void group_lora_inputs(int layer, const LoraInputGroup& group, const Tensor& x, int64_t first_row, LayerState& keep,
+                         MemCategory u_category, uint64_t dropout_seed, bool training);
   // The group's backward: dys[m] the grad of member m's output; dx (+)= the sum over members
   // (accumulate as linear_backward, for the first member; the rest add). saved: the state that
   // holds the forward's u's.
@@ -293,6 +300,7 @@ class LlamaStep {
   StepOptions options_;
   const ModelWeights& weights_;
   const LoraState& lora_;
+  std::vector<std::array<Tensor, kNumLoraInputGroups>> stacked_lora_a_;  // [layer][group]
   ActDims capacity_;         // the planned shape
   int64_t capacity_tokens_;
   ActDims dims_;             // the current micro-batch's shape (set_shape)
