@@ -203,6 +203,8 @@ TEST(CliErrors, BadInputGetsAClearMessageAndNonZeroExit) {
       {"train --device cpu --max_steps 1 --data " + big_id, "outside the model's vocabulary"},
       {"train --device cpu --max_steps 1 --data " + (dir / "missing.jsonl").string(), "cannot open dataset"},
       {"train --device cpu --max_steps 1 --init-adapter " + (dir / "nowhere").string(), "nowhere"},
+      {"train --device cpu --max_steps 1 --merge_micro_batches --lora_dropout 0.1",
+       "--merge_micro_batches keeps the gradients only without LoRA dropout"},
   };
   for (const Case& c : cases) {
     const Result r = run_memtune(c.args);
@@ -537,6 +539,33 @@ TEST(CliTrain, UnpackedShortSamplesPlanTheEngineForTheLongestRowOnly) {
   const std::vector<nlohmann::json> data = events_of(unpacked_records, "data");
   ASSERT_EQ(data.size(), 1u);
   EXPECT_EQ(data[0]["max_seq_length"], 512);
+}
+
+// --merge_micro_batches: a step's micro-batches of short rows run as fewer inside the planned
+// micro-batch (the metrics count them), and the losses are those of the unmerged run.
+TEST(CliTrain, MergedMicroBatchesTrainTheSameStepsInFewerPasses) {
+  const fs::path dir = scratch_dir("train_merged_micro_batches");
+  std::vector<std::string> lines = {R"({"text": ")" + std::string(90, 'a') + R"("})"};
+  for (const char* word : {"one", "two", "three", "four", "five", "six", "seven"})
+    lines.push_back(R"({"text": ")" + std::string(word) + R"("})");
+  const std::string text = write_lines(dir / "text.jsonl", lines);
+  const auto run = [&](const std::string& name, const std::string& flags) {
+    const fs::path metrics = dir / (name + ".metrics.jsonl");
+    const Result r = run_memtune("train --device cpu --seq 512 --batch 2 --accum 4 --pad_to_multiple_of 8 --max_steps 2 "
+                                 "--quiet --seed 5 --metrics " + metrics.string() + " " + flags + " --data " + text);
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    return events_of(read_jsonl(metrics), "step");
+  };
+  const std::vector<nlohmann::json> plain = run("plain", ""), merged = run("merged", "--merge_micro_batches");
+  ASSERT_EQ(plain.size(), 2u);
+  ASSERT_EQ(merged.size(), 2u);
+  for (size_t s = 0; s < plain.size(); ++s) {
+    EXPECT_EQ(plain[s]["micro_batches"], 4);
+    EXPECT_LT(merged[s]["micro_batches"].get<int>(), 4) << "step " << s;
+    EXPECT_NEAR(merged[s]["loss"].get<double>(), plain[s]["loss"].get<double>(), 1e-5 * plain[s]["loss"].get<double>());
+    EXPECT_EQ(merged[s]["tokens"], plain[s]["tokens"]);
+    EXPECT_EQ(merged[s]["targets"], plain[s]["targets"]);
+  }
 }
 
 TEST(CliTrain, EachSftFormTrainsPackedWithAnEvalSplitAndReportsItsData) {

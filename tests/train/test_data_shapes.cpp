@@ -178,6 +178,55 @@ TEST(DataShapes, ShapedAndPaddingFreeStepsEqualThePaddedStep) {
   }
 }
 
+// --merge_micro_batches: a step's micro-batches of short rows run as fewer, larger ones inside
+// the planned micro-batch's tokens, with the loss and gradients of the padded step (the loss is
+// normalised by the step's targets, so only the summation order changes), in every attention and
+// chunking case, and every buffer of a merged micro-batch is a planned one.
+TEST(DataShapes, MergedMicroBatchesGiveThePaddedStepInFewerPasses) {
+  const LlamaConfig model = small_model();
+  // 12 samples of at most 9 tokens: micro-batches of 3 rows of <= 12 (a multiple of 4) against a
+  // plan of 3 x 40, so that up to 3 of them fit one.
+  const Dataset data = seeded_dataset({5, 9, 3, 7, 6, 4, 8, 2, 9, 5, 7, 3}, 11);
+  for (const ShapeCase& c : kCases) {
+    SCOPED_TRACE(case_name(c));
+    RunConfig run = run_for(c);
+    run.gradient_accumulation_steps = 4;
+    auto cpu = make_cpu_backend();
+    TrainerOptions padded;
+    padded.padding = Padding::max_length;
+    PlannedEngine reference(*cpu, run, model);
+    init_with_nonzero_b(reference.engine());
+    const std::vector<HostMicroBatch> four = first_step(reference.engine(), data, padded);
+    ASSERT_EQ(four.size(), 4u);
+    const StepReport want = reference->train_step(four);
+    const std::vector<float> want_grads = adapter_grads(reference.engine());
+    TrainerOptions merge;
+    merge.pad_to_multiple_of = 4;
+    merge.merge_micro_batches = true;
+    PlannedEngine engine(*cpu, run, model);
+    init_with_nonzero_b(engine.engine());
+    const std::vector<HostMicroBatch> batches = first_step(engine.engine(), data, merge);
+    EXPECT_LT(batches.size(), 4u);
+    int64_t rows = 0;
+    for (const HostMicroBatch& b : batches) {
+      rows += b.rows;
+      EXPECT_LE(b.rows * b.seq, 3 * 40) << "a merged micro-batch outgrew the plan";
+    }
+    EXPECT_EQ(rows, 12);
+    EXPECT_GT(batches.front().rows, 3);  // at least one micro-batch holds more rows than planned
+    const StepReport got = engine->train_step(batches);
+    EXPECT_NEAR(got.loss, want.loss, 1e-5 * want.loss);
+    EXPECT_LT(rel_error(adapter_grads(engine.engine()), want_grads), 1e-5);
+    EXPECT_EQ(got.real_tokens, want.real_tokens);
+    EXPECT_EQ(got.targets, want.targets);
+    PlannedEngine fresh(*cpu, run, model);
+    init_with_nonzero_b(fresh.engine());
+    fresh->train_step({batches.front()});
+    EXPECT_EQ(is_planned_subsequence(fresh->memory().records(), fresh.plan().records), "");
+    EXPECT_LE(fresh->memory().allocator().high_water(), fresh.plan().arena_bytes);
+  }
+}
+
 // Rows of several samples (--packing, --padding_free) give cuDNN's ragged backward its room in
 // the plan: kRaggedSlotRoom x tokens x heads x head_dim floats more in each layer's backward
 // workspace, and nothing else changes; an unpacked run, or one on the flash kernel, pays nothing.

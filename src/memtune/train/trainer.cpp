@@ -1,5 +1,7 @@
 #include "memtune/train/trainer.h"
 
+#include <tuple>
+
 #include <signal.h>
 
 #include <chrono>
@@ -200,12 +202,25 @@ const std::vector<uint32_t>& Trainer::epoch_order() {
   return order_;
 }
 
+std::pair<int64_t, int64_t> Trainer::micro_batch_shape(const std::vector<const RowLayout*>& rows) const {
+  int64_t longest = 1, joined = 0, count = 0;
+  for (const RowLayout* row : rows)
+    if (row != nullptr) longest = std::max(longest, row->tokens), joined += row->tokens, ++count;
+  MT_ASSERT(count > 0, "a micro-batch without rows");
+  // Padding-free: the micro-batch's samples end to end in one row.
+  if (options_.padding_free)
+    return {1, padded_length(std::max<int64_t>(joined, 1), options_.pad_to_multiple_of, batch_ * seq_)};
+  if (options_.padding == Padding::max_length) return {batch_, seq_};
+  return {count, padded_length(longest, options_.pad_to_multiple_of, seq_)};
+}
+
 HostMicroBatch Trainer::micro_batch(const std::vector<const RowLayout*>& picked, const Dataset& data) const {
   static const RowLayout kPaddingRow;
   std::vector<const RowLayout*> rows;
   for (const RowLayout* row : picked)
     if (row != nullptr) rows.push_back(row);
-  MT_ASSERT(!rows.empty(), "a micro-batch without rows");
+  HostMicroBatch batch;
+  std::tie(batch.rows, batch.seq) = micro_batch_shape(rows);
   // Padding-free: the micro-batch's samples end to end in one row.
   RowLayout joined;
   if (options_.padding_free) {
@@ -215,17 +230,8 @@ HostMicroBatch Trainer::micro_batch(const std::vector<const RowLayout*>& picked,
     }
     rows = {&joined};
   }
-  HostMicroBatch batch;
   batch.real_tokens = 0;
-  int64_t longest = 1;
-  for (const RowLayout* row : rows) longest = std::max(longest, row->tokens), batch.real_tokens += row->tokens;
-  if (options_.padding == Padding::max_length && !options_.padding_free) {
-    batch.rows = batch_;
-    batch.seq = seq_;
-  } else {
-    batch.rows = static_cast<int64_t>(rows.size());
-    batch.seq = padded_length(longest, options_.pad_to_multiple_of, options_.padding_free ? batch_ * seq_ : seq_);
-  }
+  for (const RowLayout* row : rows) batch.real_tokens += row->tokens;
   const size_t n = static_cast<size_t>(batch.rows * batch.seq);
   batch.input_ids.resize(n);
   batch.targets.resize(n);
@@ -249,18 +255,40 @@ std::vector<HostMicroBatch> Trainer::next_step_batches() {
   // (every rank computes it alike); rank r takes the micro-batches r, r + world, ..., so a rank
   // may get fewer (or none) at the end of an epoch. world_size 1: all of them.
   const int64_t world = engine_.world_size(), rank = engine_.rank();
+  std::vector<std::vector<const RowLayout*>> picks;
   for (int64_t m = 0; m < accumulation_ * world && position_.next_row < rows; ++m) {
     std::vector<const RowLayout*> picked;
     for (int64_t b = 0; b < batch_; ++b) {
       const int64_t index = position_.next_row + b;
-      picked.push_back(index < rows ? &rows_[order[static_cast<size_t>(index)]] : nullptr);
+      if (index < rows) picked.push_back(&rows_[order[static_cast<size_t>(index)]]);
     }
     position_.next_row = std::min(rows, position_.next_row + batch_);
-    if (m % world == rank) batches.push_back(micro_batch(picked, train_));
+    if (m % world == rank) picks.push_back(std::move(picked));
   }
+  if (options_.merge_micro_batches && world == 1 && engine_.run().lora_dropout == 0) picks = merged(std::move(picks));
+  for (const std::vector<const RowLayout*>& picked : picks) batches.push_back(micro_batch(picked, train_));
   // The epoch ends with this step (transformers updates on the remainder micro-batches).
   if (position_.next_row >= rows) position_ = {position_.epoch + 1, 0};
   return batches;
+}
+
+std::vector<std::vector<const RowLayout*>> Trainer::merged(std::vector<std::vector<const RowLayout*>> micro_batches) const {
+  // Rows padded to max_length fill the planned micro-batch already.
+  if (options_.padding == Padding::max_length && !options_.padding_free) return micro_batches;
+  std::vector<std::vector<const RowLayout*>> out;
+  for (std::vector<const RowLayout*>& next : micro_batches) {
+    if (!out.empty()) {
+      std::vector<const RowLayout*> joined = out.back();
+      joined.insert(joined.end(), next.begin(), next.end());
+      const auto [rows, seq] = micro_batch_shape(joined);
+      if (rows * seq <= batch_ * seq_) {
+        out.back() = std::move(joined);
+        continue;
+      }
+    }
+    out.push_back(std::move(next));
+  }
+  return out;
 }
 
 std::pair<double, int64_t> Trainer::evaluate() {
@@ -462,6 +490,7 @@ TrainOutcome Trainer::run() {
     nlohmann::json record = {{"event", "step"}, {"command", "train"}, {"step", done}, {"steps", run.max_steps},
                              {"loss", report.loss}, {"step_seconds", seconds}, {"tokens", report.real_tokens},
                              {"targets", report.targets}, {"computed_tokens", report.tokens},
+                             {"micro_batches", batches.size()},
                              {"padding_fraction", padding},
                              {"tokens_per_second", report.real_tokens / seconds},
                              {"targets_per_second", report.targets / seconds},

@@ -61,6 +61,12 @@ struct TrainerOptions {
   int64_t max_seq_length = 0;
   bool padding_free = false;    // TRL SFTConfig.padding_free
   bool group_by_length = false; // transformers TrainingArguments.group_by_length
+  // The micro-batches of one optimizer step run as fewer, larger ones where their rows fit the
+  // planned micro-batch's tokens together (short unpacked samples: 4 rows of 64 in a plan of
+  // 2 x 128). The step's loss is normalised by all its targets, so the gradients are the same,
+  // summed in another order; only without LoRA dropout (its masks are drawn per micro-batch)
+  // and on one process. Fewer, larger micro-batches read the frozen weights fewer times.
+  bool merge_micro_batches = false;
   uint64_t data_seed = 42;      // transformers' data_seed (defaults to seed)
   int64_t save_steps = 0;       // checkpoint every N steps (0: at the end only)
   int64_t eval_steps = 0;       // evaluate every N steps (0: at the end only)
@@ -174,6 +180,11 @@ class Trainer {
   [[noreturn]] void fail_for_step_health(MetricsLog& metrics, ProgressLine& progress) const;
   const std::vector<uint32_t>& epoch_order();
   HostMicroBatch micro_batch(const std::vector<const RowLayout*>& rows, const Dataset& data) const;
+  // [rows, seq] of the micro-batch that micro_batch() builds from these rows (nulls skipped).
+  std::pair<int64_t, int64_t> micro_batch_shape(const std::vector<const RowLayout*>& rows) const;
+  // TrainerOptions::merge_micro_batches: consecutive micro-batches of one step joined while the
+  // joined rows' micro-batch fits the planned batch x seq tokens.
+  std::vector<std::vector<const RowLayout*>> merged(std::vector<std::vector<const RowLayout*>> micro_batches) const;
   // The data-position fields that must agree for a resume (how rows are made and ordered).
   nlohmann::json layout_fields() const;
 
