@@ -336,6 +336,7 @@ timed_train() {
 #                          A/B against qlora and lora16
 #   data-unpacked, data-packed  configuration 2: QLoRA, batch 2 x accumulation 4, r32 a32, on
 #                          sft-tasks.jsonl x DATA_REPEAT through the Llama 3 tokenizer
+#   data-merged            data-unpacked with --merge_micro_batches (the A/B that decides its default)
 if has_part configs; then
   stamp configs
   C="$WORK/configs"; mkdir -p "$C"
@@ -349,10 +350,11 @@ if has_part configs; then
   for variant in "qlora|$QLORA $SHAPE1 --profile" "qlora-offload|$QLORA --offload_activations $SHAPE1" \
                  "lora16|$LORA16 $SHAPE1 --profile" "lora16-offload|$LORA16 --offload_activations $SHAPE1" \
                  "data-unpacked|$QLORA $SHAPE2" "data-packed|$QLORA $SHAPE2 --packing" \
+                 "data-merged|$QLORA $SHAPE2 --merge_micro_batches" \
                  "qlora-unstacked|$QLORA $SHAPE1 --stacked_lora false --profile" \
                  "lora16-unstacked|$LORA16 $SHAPE1 --stacked_lora false --profile"; do
     name=${variant%%|*}; args=${variant#*|}
-    case ",${CONFIGS:-qlora,qlora-offload,lora16,lora16-offload,data-unpacked,data-packed,qlora-unstacked,lora16-unstacked}," in *",$name,"*) ;; *) continue;; esac
+    case ",${CONFIGS:-qlora,qlora-offload,lora16,lora16-offload,data-unpacked,data-packed,data-merged,qlora-unstacked,lora16-unstacked}," in *",$name,"*) ;; *) continue;; esac
     # shellcheck disable=SC2086
     timed_train "$C" "$name" "${CONFIG_TIMEOUT:-150}" $args --max_steps "${CONFIG_STEPS:-6}"
   done
