@@ -203,10 +203,10 @@ const std::vector<uint32_t>& Trainer::epoch_order() {
 }
 
 std::pair<int64_t, int64_t> Trainer::micro_batch_shape(const std::vector<const RowLayout*>& rows) const {
-  int64_t longest = 1, joined = 0, count = 0;
-  for (const RowLayout* row : rows)
-    if (row != nullptr) longest = std::max(longest, row->tokens), joined += row->tokens, ++count;
-  MT_ASSERT(count > 0, "a micro-batch without rows");
+  MT_ASSERT(!rows.empty(), "a micro-batch without rows");
+  int64_t longest = 1, joined = 0;
+  for (const RowLayout* row : rows) longest = std::max(longest, row->tokens), joined += row->tokens;
+  const auto count = static_cast<int64_t>(rows.size());
   // Padding-free: the micro-batch's samples end to end in one row.
   if (options_.padding_free)
     return {1, padded_length(std::max<int64_t>(joined, 1), options_.pad_to_multiple_of, batch_ * seq_)};
@@ -216,9 +216,7 @@ std::pair<int64_t, int64_t> Trainer::micro_batch_shape(const std::vector<const R
 
 HostMicroBatch Trainer::micro_batch(const std::vector<const RowLayout*>& picked, const Dataset& data) const {
   static const RowLayout kPaddingRow;
-  std::vector<const RowLayout*> rows;
-  for (const RowLayout* row : picked)
-    if (row != nullptr) rows.push_back(row);
+  std::vector<const RowLayout*> rows = picked;
   HostMicroBatch batch;
   std::tie(batch.rows, batch.seq) = micro_batch_shape(rows);
   // Padding-free: the micro-batch's samples end to end in one row.

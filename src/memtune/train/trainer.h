@@ -180,7 +180,7 @@ class Trainer {
   [[noreturn]] void fail_for_step_health(MetricsLog& metrics, ProgressLine& progress) const;
   const std::vector<uint32_t>& epoch_order();
   HostMicroBatch micro_batch(const std::vector<const RowLayout*>& rows, const Dataset& data) const;
-  // [rows, seq] of the micro-batch that micro_batch() builds from these rows (nulls skipped).
+  // [rows, seq] of the micro-batch that micro_batch() builds from these rows (none null).
   std::pair<int64_t, int64_t> micro_batch_shape(const std::vector<const RowLayout*>& rows) const;
   // TrainerOptions::merge_micro_batches: consecutive micro-batches of one step joined while the
   // joined rows' micro-batch fits the planned batch x seq tokens.
