@@ -50,7 +50,8 @@
 #   (carry .whl; bench/install_peer_wheels.sh --prepare-bnb --prepare-unsloth --prepare-liger).
 #   A device call has ~9 minutes: run them in separate calls (see bench/README.md for the lines).
 #
-# Environment: LADDER_ARGS (extra memtune ladder options), PEER_ARGS (extra peer options),
+# Environment: LADDER_MODEL (the ladder's and the peers' model preset, default llama-3.1-8b),
+# LADDER_ARGS (extra memtune ladder options), PEER_ARGS (extra peer options),
 # TEST_TIMEOUT (seconds, default 300); for the peer parts: UNSLOTH_STEPS (default 4), UNSLOTH_TIMEOUT
 # (per part, 480), UNSLOTH_ARGS, UNSLOTH_MODEL_DIR (/tmp/peer-unsloth-model), LIGER_STEPS (3),
 # LIGER_TIMEOUT (480), LIGER_ARGS, DATA_STEPS (6), DATA_REPEAT (30), DATA_TIMEOUT (per run, 240),
@@ -95,8 +96,11 @@ if has_part fuzz; then
   FUZZ_PID=$!
 fi
 
-# The ladder's shape, shared with the peer so that both run the same configuration.
-MODEL_ARGS="--model llama-3.1-8b --batch 2 --accum ${LADDER_ACCUM:-2} --seq 2048 --lora_r 16 --lora_alpha 16 --lora_target_modules all-linear"
+# The ladder's shape, shared with the peer so that both run the same configuration. LADDER_MODEL
+# (default llama-3.1-8b) is a preset with a file in configs/models/ (qwen2.5-7b, mistral-7b-v0.3, ...).
+LADDER_MODEL=${LADDER_MODEL:-llama-3.1-8b}
+[ -f "$ROOT/configs/models/$LADDER_MODEL.json" ] || { echo "LADDER_MODEL: no configs/models/$LADDER_MODEL.json" >&2; exit 2; }
+MODEL_ARGS="--model $LADDER_MODEL --batch 2 --accum ${LADDER_ACCUM:-2} --seq 2048 --lora_r 16 --lora_alpha 16 --lora_target_modules all-linear"
 STEPS=${LADDER_STEPS:-3}
 
 # ---- helpers of the peer parts (peer, unsloth*, liger, peer-data, peer-context) ----
@@ -125,7 +129,7 @@ export UNSLOTH_COMPILE_LOCATION=${UNSLOTH_COMPILE_LOCATION:-/tmp/peer-unsloth-co
 CONTEXT_CAPS=${CONTEXT_CAPS:-24 80}
 CONTEXT_ARGS="--context-min ${CONTEXT_MIN:-16384} --context-max ${CONTEXT_MAX:-131072} --context-unit ${CONTEXT_UNIT:-8192} --probe-timeout ${PROBE_TIMEOUT:-240} --context-steps 2"
 # The ladder's shape and optimizer, as the peer part passes them.
-PEER_SHAPE="--config $ROOT/configs/models/llama-3.1-8b.json --lr 2e-4 --weight-decay 0 --max-grad-norm 1.0 --lora-r 16 --lora-alpha 16"
+PEER_SHAPE="--config $ROOT/configs/models/$LADDER_MODEL.json --lr 2e-4 --weight-decay 0 --max-grad-norm 1.0 --lora-r 16 --lora-alpha 16"
 # One summary line per measured rung of a peer JSON: tokens/s (real and target where data), peaks.
 peer_summary() {
   python3 - "$1" "$2" <<'EOF'
