@@ -340,7 +340,8 @@ timed_train() {
 #                          A/B against qlora and lora16
 #   data-unpacked, data-packed  configuration 2: QLoRA, batch 2 x accumulation 4, r32 a32, on
 #                          sft-tasks.jsonl x DATA_REPEAT through the Llama 3 tokenizer
-#   data-merged            data-unpacked with --merge_micro_batches (the A/B that decides its default)
+#   data-merged            configuration 2 unpacked with --merge_micro_batches (the default since the
+#                          A/B of 2026-12-06); data-unpacked runs with it off
 if has_part configs; then
   stamp configs
   C="$WORK/configs"; mkdir -p "$C"
@@ -353,8 +354,8 @@ if has_part configs; then
   # The two plain variants also time every op of their last step (--profile; left out of tokens/s).
   for variant in "qlora|$QLORA $SHAPE1 --profile" "qlora-offload|$QLORA --offload_activations $SHAPE1" \
                  "lora16|$LORA16 $SHAPE1 --profile" "lora16-offload|$LORA16 --offload_activations $SHAPE1" \
-                 "data-unpacked|$QLORA $SHAPE2" "data-packed|$QLORA $SHAPE2 --packing" \
-                 "data-merged|$QLORA $SHAPE2 --merge_micro_batches" \
+                 "data-unpacked|$QLORA $SHAPE2 --merge_micro_batches false" "data-packed|$QLORA $SHAPE2 --packing" \
+                 "data-merged|$QLORA $SHAPE2 --merge_micro_batches true" \
                  "qlora-unstacked|$QLORA $SHAPE1 --stacked_lora false --profile" \
                  "lora16-unstacked|$LORA16 $SHAPE1 --stacked_lora false --profile"; do
     name=${variant%%|*}; args=${variant#*|}

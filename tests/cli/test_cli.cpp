@@ -203,7 +203,7 @@ TEST(CliErrors, BadInputGetsAClearMessageAndNonZeroExit) {
       {"train --device cpu --max_steps 1 --data " + big_id, "outside the model's vocabulary"},
       {"train --device cpu --max_steps 1 --data " + (dir / "missing.jsonl").string(), "cannot open dataset"},
       {"train --device cpu --max_steps 1 --init-adapter " + (dir / "nowhere").string(), "nowhere"},
-      {"train --device cpu --max_steps 1 --merge_micro_batches --lora_dropout 0.1",
+      {"train --device cpu --max_steps 1 --merge_micro_batches true --lora_dropout 0.1",
        "--merge_micro_batches keeps the gradients only without LoRA dropout"},
   };
   for (const Case& c : cases) {
@@ -541,8 +541,9 @@ TEST(CliTrain, UnpackedShortSamplesPlanTheEngineForTheLongestRowOnly) {
   EXPECT_EQ(data[0]["max_seq_length"], 512);
 }
 
-// --merge_micro_batches: a step's micro-batches of short rows run as fewer inside the planned
-// micro-batch (the metrics count them), and the losses are those of the unmerged run.
+// --merge_micro_batches (on by default): a step's micro-batches of short rows run as fewer inside
+// the planned micro-batch (the metrics count them), and the losses are those of the unmerged run.
+// With LoRA dropout the default leaves them apart (its masks are drawn per micro-batch).
 TEST(CliTrain, MergedMicroBatchesTrainTheSameStepsInFewerPasses) {
   const fs::path dir = scratch_dir("train_merged_micro_batches");
   std::vector<std::string> lines = {R"({"text": ")" + std::string(90, 'a') + R"("})"};
@@ -556,7 +557,10 @@ TEST(CliTrain, MergedMicroBatchesTrainTheSameStepsInFewerPasses) {
     EXPECT_EQ(r.exit_code, 0) << r.output;
     return events_of(read_jsonl(metrics), "step");
   };
-  const std::vector<nlohmann::json> plain = run("plain", ""), merged = run("merged", "--merge_micro_batches");
+  const std::vector<nlohmann::json> plain = run("plain", "--merge_micro_batches false"), merged = run("merged", "");
+  const std::vector<nlohmann::json> dropout = run("dropout", "--lora_dropout 0.1");
+  ASSERT_EQ(dropout.size(), 2u);
+  for (const nlohmann::json& step : dropout) EXPECT_EQ(step["micro_batches"], 4);
   ASSERT_EQ(plain.size(), 2u);
   ASSERT_EQ(merged.size(), 2u);
   for (size_t s = 0; s < plain.size(); ++s) {
