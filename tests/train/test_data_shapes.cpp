@@ -227,6 +227,44 @@ TEST(DataShapes, MergedMicroBatchesGiveThePaddedStepInFewerPasses) {
   }
 }
 
+// Padding-free, a merged micro-batch is one row of its samples end to end: micro-batches join only
+// while that row fits the planned batch x seq tokens, and the step keeps the unmerged gradients.
+TEST(DataShapes, PaddingFreeMergesOnlyWhileTheJoinedRowFitsThePlan) {
+  const LlamaConfig model = small_model();
+  // 12 samples, four long (30-35 tokens) among short ones: micro-batches of 3 samples against a
+  // plan of 3 x 40 = 120 tokens, so that some neighbours fit together and some do not.
+  const Dataset data = seeded_dataset({30, 3, 4, 35, 5, 2, 33, 6, 3, 31, 4, 5}, 13);
+  RunConfig run = run_for(kCases[1]);
+  run.gradient_accumulation_steps = 4;
+  auto cpu = make_cpu_backend();
+  TrainerOptions apart;
+  apart.padding_free = true;
+  apart.pad_to_multiple_of = 4;
+  TrainerOptions merge = apart;
+  merge.merge_micro_batches = true;
+  PlannedEngine reference(*cpu, run, model);
+  init_with_nonzero_b(reference.engine());
+  const std::vector<HostMicroBatch> four = first_step(reference.engine(), data, apart);
+  ASSERT_EQ(four.size(), 4u);
+  const StepReport want = reference->train_step(four);
+  const std::vector<float> want_grads = adapter_grads(reference.engine());
+  PlannedEngine engine(*cpu, run, model);
+  init_with_nonzero_b(engine.engine());
+  const std::vector<HostMicroBatch> batches = first_step(engine.engine(), data, merge);
+  EXPECT_LT(batches.size(), 4u);
+  EXPECT_GT(batches.size(), 1u);
+  int64_t tokens = 0;
+  for (const HostMicroBatch& b : batches) {
+    EXPECT_EQ(b.rows, 1);
+    EXPECT_LE(b.seq, 3 * 40) << "a merged padding-free row outgrew the plan";
+    tokens += b.real_tokens;
+  }
+  EXPECT_EQ(tokens, want.real_tokens);
+  const StepReport got = engine->train_step(batches);
+  EXPECT_NEAR(got.loss, want.loss, 1e-5 * want.loss);
+  EXPECT_LT(rel_error(adapter_grads(engine.engine()), want_grads), 1e-5);
+}
+
 // Rows of several samples (--packing, --padding_free) give cuDNN's ragged backward its room in
 // the plan: kRaggedSlotRoom x tokens x heads x head_dim floats more in each layer's backward
 // workspace, and nothing else changes; an unpacked run, or one on the flash kernel, pays nothing.

@@ -278,10 +278,16 @@ std::vector<std::vector<const RowLayout*>> Trainer::merged(std::vector<std::vect
     if (!out.empty()) {
       std::vector<const RowLayout*> joined = out.back();
       joined.insert(joined.end(), next.begin(), next.end());
-      const auto [rows, seq] = micro_batch_shape(joined);
-      if (rows * seq <= batch_ * seq_) {
-        out.back() = std::move(joined);
-        continue;
+      int64_t joined_tokens = 0;
+      for (const RowLayout* row : joined) joined_tokens += row->tokens;
+      // Padding-free, the joined samples are one row, which must fit the planned tokens before
+      // micro_batch_shape pads it (a padded row is never longer than the plan).
+      if (!options_.padding_free || joined_tokens <= batch_ * seq_) {
+        const auto [rows, seq] = micro_batch_shape(joined);
+        if (rows * seq <= batch_ * seq_) {
+          out.back() = std::move(joined);
+          continue;
+        }
       }
     }
     out.push_back(std::move(next));
