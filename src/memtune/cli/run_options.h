@@ -61,10 +61,7 @@ inline void resolve_run_flags(RunConfig& run, const RunFlags& flags, bool valida
   if (flags.bf16) run.precision = Precision::bf16;
   if (flags.fp16) run.precision = Precision::fp16;
   if (flags.fp32) run.precision = Precision::fp32;
-  if (flags.lr_scheduler_type == "constant") run.lr_scheduler_type = LrSchedule::constant;
-  else if (flags.lr_scheduler_type == "linear") run.lr_scheduler_type = LrSchedule::linear;
-  else if (flags.lr_scheduler_type == "cosine") run.lr_scheduler_type = LrSchedule::cosine;
-  else mt_fail("--lr_scheduler_type {}: expected constant, linear or cosine", flags.lr_scheduler_type);
+  run.lr_scheduler_type = parse_lr_schedule(flags.lr_scheduler_type, "--lr_scheduler_type");
   run.quant.type = parse_quant_type(flags.quant_type, "--bnb_4bit_quant_type");
   if (run.attn_implementation == "flash_attention_2") run.attn_implementation = "flash";
   // auto (and sdpa, which in torch picks the fastest fused kernel there is). The device is not

@@ -2,6 +2,7 @@
 
 #include <cmath>
 
+#include "memtune/core/enum_names.h"
 #include "memtune/core/error.h"
 
 namespace memtune {
@@ -17,37 +18,24 @@ size_t dtype_size(DType dtype) {
   MT_ASSERT(false, "unknown dtype");
 }
 
-std::string_view dtype_name(DType dtype) {
-  switch (dtype) {
-    case DType::f32: return "f32";
-    case DType::f16: return "f16";
-    case DType::bf16: return "bf16";
-    case DType::u8: return "u8";
-    case DType::i32: return "i32";
-  }
-  return "?";
-}
+namespace {
 
-std::string_view dtype_safetensors_name(DType dtype) {
-  switch (dtype) {
-    case DType::f32: return "F32";
-    case DType::f16: return "F16";
-    case DType::bf16: return "BF16";
-    case DType::u8: return "U8";
-    case DType::i32: return "I32";
-  }
-  return "?";
-}
+constexpr EnumName<DType> kDTypeNames[] = {
+    {DType::f32, "f32"}, {DType::f16, "f16"}, {DType::bf16, "bf16"}, {DType::u8, "u8"}, {DType::i32, "i32"}};
+// The dtype strings of the safetensors header.
+constexpr EnumName<DType> kSafetensorsNames[] = {
+    {DType::f32, "F32"}, {DType::f16, "F16"}, {DType::bf16, "BF16"}, {DType::u8, "U8"}, {DType::i32, "I32"}};
+
+}  // namespace
+
+std::string_view dtype_name(DType dtype) { return name_of(kDTypeNames, dtype); }
+
+std::string_view dtype_safetensors_name(DType dtype) { return name_of(kSafetensorsNames, dtype); }
 
 bool dtype_from_safetensors_name(std::string_view name, DType* out) {
-  static constexpr DType all[] = {DType::f32, DType::f16, DType::bf16, DType::u8, DType::i32};
-  for (DType dtype : all) {
-    if (dtype_safetensors_name(dtype) == name) {
-      *out = dtype;
-      return true;
-    }
-  }
-  return false;
+  const std::optional<DType> dtype = value_of(kSafetensorsNames, name);
+  if (dtype) *out = *dtype;
+  return dtype.has_value();
 }
 
 bool dtype_is_float(DType dtype) {

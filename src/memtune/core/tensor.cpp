@@ -2,16 +2,17 @@
 
 #include <fmt/format.h>
 
+#include "memtune/core/enum_names.h"
+
 namespace memtune {
 
-std::string_view device_name(Device device) {
-  switch (device) {
-    case Device::cpu: return "cpu";
-    case Device::cuda: return "cuda";
-    case Device::meta: return "meta";
-  }
-  return "?";
-}
+namespace {
+
+constexpr EnumName<Device> kDeviceNames[] = {{Device::cpu, "cpu"}, {Device::cuda, "cuda"}, {Device::meta, "meta"}};
+
+}  // namespace
+
+std::string_view device_name(Device device) { return name_of(kDeviceNames, device); }
 
 std::string Shape::str() const {
   std::string out = "[";

@@ -2,6 +2,7 @@
 
 #include <limits>
 
+#include "memtune/core/enum_names.h"
 #include "memtune/core/error.h"
 #include "memtune/data/tokenizer.h"
 #include "memtune/data/unicode_bytes.h"
@@ -247,19 +248,10 @@ bool contains(std::string_view text, std::string_view part) {
 
 }  // namespace
 
-std::string_view chat_format_name(ChatFormat format) {
-  switch (format) {
-    case ChatFormat::llama3:
-      return "Llama 3";
-    case ChatFormat::qwen2_5:
-      return "Qwen2.5";
-    case ChatFormat::qwen3:
-      return "Qwen3";
-    case ChatFormat::mistral_v3:
-      return "Mistral v0.3";
-  }
-  return "?";
-}
+constexpr EnumName<ChatFormat> kChatFormatNames[] = {{ChatFormat::llama3, "Llama 3"}, {ChatFormat::qwen2_5, "Qwen2.5"},
+                                                     {ChatFormat::qwen3, "Qwen3"}, {ChatFormat::mistral_v3, "Mistral v0.3"}};
+
+std::string_view chat_format_name(ChatFormat format) { return name_of(kChatFormatNames, format); }
 
 ChatFormat chat_format_of(const Tokenizer& tokenizer) {
   const std::string_view t = tokenizer.chat_template();

@@ -6,6 +6,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "memtune/core/enum_names.h"
 #include "memtune/core/error.h"
 #include "memtune/data/unicode_bytes.h"
 #include "memtune/io/json_util.h"
@@ -108,15 +109,11 @@ uint64_t splitmix64(uint64_t& state) {
 
 }  // namespace
 
-std::string_view dataset_format_name(DatasetFormat format) {
-  switch (format) {
-    case DatasetFormat::token_ids: return "input_ids";
-    case DatasetFormat::text: return "text";
-    case DatasetFormat::prompt_completion: return "prompt-completion";
-    case DatasetFormat::messages: return "messages";
-  }
-  return "?";
-}
+constexpr EnumName<DatasetFormat> kDatasetFormatNames[] = {
+    {DatasetFormat::token_ids, "input_ids"}, {DatasetFormat::text, "text"},
+    {DatasetFormat::prompt_completion, "prompt-completion"}, {DatasetFormat::messages, "messages"}};
+
+std::string_view dataset_format_name(DatasetFormat format) { return name_of(kDatasetFormatNames, format); }
 
 Sample encode_text_sample(const Tokenizer& tokenizer, std::string_view text, int32_t eos_id) {
   Sample sample;

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <fstream>
 
+#include "memtune/core/enum_names.h"
 #include "memtune/core/error.h"
 #include "memtune/model/presets.h"
 
@@ -58,14 +59,14 @@ double number_or(const json& object, const char* key, double fallback, const std
   return it->get<double>();
 }
 
+// The model_type strings of config.json.
+constexpr EnumName<ModelFamily> kModelTypes[] = {{ModelFamily::llama, "llama"}, {ModelFamily::qwen2, "qwen2"},
+                                                 {ModelFamily::qwen3, "qwen3"}, {ModelFamily::mistral, "mistral"}};
+
 bool family_from_name(const std::string& name, ModelFamily* out) {
-  for (ModelFamily family : {ModelFamily::llama, ModelFamily::qwen2, ModelFamily::qwen3,
-                             ModelFamily::mistral})
-    if (name == model_family_name(family)) {
-      *out = family;
-      return true;
-    }
-  return false;
+  const std::optional<ModelFamily> family = value_of(kModelTypes, name);
+  if (family) *out = *family;
+  return family.has_value();
 }
 
 // The window that the attention must apply, or 0. Mistral's is on whenever sliding_window is a
@@ -105,15 +106,7 @@ void read_sliding_window(const json& j, const std::string& source, LlamaConfig& 
 
 }  // namespace
 
-std::string_view model_family_name(ModelFamily family) {
-  switch (family) {
-    case ModelFamily::llama: return "llama";
-    case ModelFamily::qwen2: return "qwen2";
-    case ModelFamily::qwen3: return "qwen3";
-    case ModelFamily::mistral: return "mistral";
-  }
-  return "?";
-}
+std::string_view model_family_name(ModelFamily family) { return name_of(kModelTypes, family); }
 
 LlamaConfig LlamaConfig::from_json(const json& j, const std::string& source) {
   MT_USER_CHECK(j.is_object(), "{}: config must be a JSON object", source);

@@ -5,6 +5,7 @@
 
 #include <fmt/format.h>
 
+#include "memtune/core/enum_names.h"
 #include "memtune/core/error.h"
 
 namespace memtune {
@@ -50,16 +51,11 @@ constexpr Names kLaunchers[] = {
 
 }  // namespace
 
-std::string_view launch_source_name(LaunchSource source) {
-  switch (source) {
-    case LaunchSource::single_process: return "single process";
-    case LaunchSource::torchrun: return "torchrun";
-    case LaunchSource::open_mpi: return "Open MPI";
-    case LaunchSource::pmi: return "PMI";
-    case LaunchSource::slurm: return "Slurm";
-  }
-  return "?";
-}
+constexpr EnumName<LaunchSource> kLaunchSourceNames[] = {
+    {LaunchSource::single_process, "single process"}, {LaunchSource::torchrun, "torchrun"},
+    {LaunchSource::open_mpi, "Open MPI"}, {LaunchSource::pmi, "PMI"}, {LaunchSource::slurm, "Slurm"}};
+
+std::string_view launch_source_name(LaunchSource source) { return name_of(kLaunchSourceNames, source); }
 
 std::string LaunchEnv::describe() const {
   if (!distributed()) return fmt::format("a single process ({})", launch_source_name(source));

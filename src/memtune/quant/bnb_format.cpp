@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "memtune/core/enum_names.h"
 #include "memtune/core/error.h"
 #include "memtune/quant/codebook.h"
 
@@ -91,16 +92,12 @@ T json_field(const nlohmann::json& object, const char* key, const std::string& w
 
 }  // namespace
 
-std::string_view torch_dtype_name(DType dtype) {
-  switch (dtype) {
-    case DType::f32: return "float32";
-    case DType::f16: return "float16";
-    case DType::bf16: return "bfloat16";
-    case DType::u8: return "uint8";
-    case DType::i32: return "int32";
-  }
-  return "?";
-}
+// torch's dtype names (str(torch.bfloat16) without "torch."), as bitsandbytes' quant_state writes them.
+constexpr EnumName<DType> kTorchDTypeNames[] = {{DType::f32, "float32"}, {DType::f16, "float16"},
+                                                {DType::bf16, "bfloat16"}, {DType::u8, "uint8"},
+                                                {DType::i32, "int32"}};
+
+std::string_view torch_dtype_name(DType dtype) { return name_of(kTorchDTypeNames, dtype); }
 
 bool dtype_from_torch_name(std::string_view name, DType* out) {
   if (name.starts_with("torch.")) name.remove_prefix(6);

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <limits>
 
+#include "memtune/core/enum_names.h"
 #include "memtune/core/error.h"
 #include "memtune/quant/codebook.h"
 
@@ -48,14 +49,15 @@ inline float reciprocal(float absmax) { return 1.0f / absmax; }
 
 }  // namespace
 
-std::string_view quant_type_name(QuantType type) {
-  return type == QuantType::nf4 ? "nf4" : "fp4";
-}
+constexpr EnumName<QuantType> kQuantTypeNames[] = {{QuantType::nf4, "nf4"}, {QuantType::fp4, "fp4"}};
+
+std::string_view quant_type_name(QuantType type) { return name_of(kQuantTypeNames, type); }
 
 QuantType parse_quant_type(std::string_view name, std::string_view what) {
-  if (name == "nf4") return QuantType::nf4;
-  if (name == "fp4") return QuantType::fp4;
-  mt_fail("{}: unknown 4-bit quant type '{}' (expected 'nf4' or 'fp4')", what, name);
+  const std::optional<QuantType> type = value_of(kQuantTypeNames, name);
+  MT_USER_CHECK(type.has_value(), "{}: unknown 4-bit quant type '{}' (expected {})", what, name,
+                names_of(kQuantTypeNames));
+  return *type;
 }
 
 bool quant_blocksize_valid(int64_t blocksize) {

@@ -9,6 +9,7 @@
 #include <cmath>
 
 #include "memtune/core/bytes.h"
+#include "memtune/core/enum_names.h"
 
 namespace memtune::ladder_detail {
 
@@ -130,14 +131,10 @@ std::optional<size_t> rung_adding(const Ladder& ladder, std::initializer_list<st
   return std::nullopt;
 }
 
-std::string_view peak_kind_name(PeakKind kind) {
-  switch (kind) {
-    case PeakKind::device: return "device peak";
-    case PeakKind::engine: return "engine peak";
-    case PeakKind::planned: return "planned peak";
-  }
-  return "planned peak";
-}
+constexpr EnumName<PeakKind> kPeakKindNames[] = {
+    {PeakKind::device, "device peak"}, {PeakKind::engine, "engine peak"}, {PeakKind::planned, "planned peak"}};
+
+std::string_view peak_kind_name(PeakKind kind) { return name_of(kPeakKindNames, kind, "planned peak"); }
 
 uint64_t peak_of(const LadderRung& rung, PeakKind kind) {
   if (kind == PeakKind::device) return *rung.device_peak_bytes;

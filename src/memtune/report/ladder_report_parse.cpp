@@ -11,6 +11,7 @@
 #include <set>
 
 #include "memtune/core/bytes.h"
+#include "memtune/core/enum_names.h"
 #include "memtune/core/error.h"
 #include "memtune/io/file_util.h"
 #include "memtune/io/json_util.h"
@@ -253,13 +254,12 @@ PeerComparison compare_with(const LadderRung& rung, const std::optional<LadderPe
   return comparison;
 }
 
+constexpr EnumName<ClaimVerdict> kClaimVerdictNames[] = {{ClaimVerdict::held, "held"},
+                                                         {ClaimVerdict::did_not_hold, "did not hold"},
+                                                         {ClaimVerdict::not_measured, "not measured"}};
+
 std::string_view claim_verdict_name(ClaimVerdict verdict) {
-  switch (verdict) {
-    case ClaimVerdict::held: return "held";
-    case ClaimVerdict::did_not_hold: return "did not hold";
-    case ClaimVerdict::not_measured: return "not measured";
-  }
-  return "not measured";
+  return name_of(kClaimVerdictNames, verdict, "not measured");
 }
 
 // ---------------------------------------------------------------------------------------------

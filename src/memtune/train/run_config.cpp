@@ -2,17 +2,29 @@
 
 #include <cmath>
 
+#include "memtune/core/enum_names.h"
 #include "memtune/core/error.h"
 
 namespace memtune {
 
-std::string_view precision_name(Precision p) {
-  switch (p) {
-    case Precision::fp32: return "fp32";
-    case Precision::fp16: return "fp16";
-    case Precision::bf16: return "bf16";
-  }
-  return "?";
+namespace {
+
+constexpr EnumName<Precision> kPrecisionNames[] = {
+    {Precision::fp32, "fp32"}, {Precision::fp16, "fp16"}, {Precision::bf16, "bf16"}};
+// transformers' lr_scheduler_type names.
+constexpr EnumName<LrSchedule> kLrScheduleNames[] = {
+    {LrSchedule::constant, "constant"}, {LrSchedule::linear, "linear"}, {LrSchedule::cosine, "cosine"}};
+
+}  // namespace
+
+std::string_view precision_name(Precision p) { return name_of(kPrecisionNames, p); }
+
+std::string_view lr_schedule_name(LrSchedule schedule) { return name_of(kLrScheduleNames, schedule); }
+
+LrSchedule parse_lr_schedule(std::string_view name, std::string_view what) {
+  const std::optional<LrSchedule> schedule = value_of(kLrScheduleNames, name);
+  MT_USER_CHECK(schedule.has_value(), "{} {}: expected {}", what, name, names_of(kLrScheduleNames));
+  return *schedule;
 }
 
 DType precision_dtype(Precision p) {

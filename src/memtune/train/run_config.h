@@ -14,6 +14,9 @@ enum class Precision : uint8_t { fp32, fp16, bf16 };
 enum class LrSchedule : uint8_t { constant, linear, cosine };
 
 std::string_view precision_name(Precision p);
+std::string_view lr_schedule_name(LrSchedule schedule);  // "constant", "linear", "cosine"
+// The schedule a name gives; `what` (the option or key) leads the error for any other name.
+LrSchedule parse_lr_schedule(std::string_view name, std::string_view what);
 DType precision_dtype(Precision p);
 
 struct RunConfig {

@@ -9,15 +9,6 @@
 namespace memtune {
 namespace {
 
-std::string lr_schedule_name(LrSchedule s) {
-  switch (s) {
-    case LrSchedule::constant: return "constant";
-    case LrSchedule::linear: return "linear";
-    case LrSchedule::cosine: return "cosine";
-  }
-  return "?";
-}
-
 // "key a vs b" for every key of `current` whose value differs in `saved` (keys only one side
 // has count as differing: a value that was not recorded cannot be shown to agree).
 std::string differences(const nlohmann::json& saved, const nlohmann::json& current) {

@@ -64,11 +64,7 @@ std::set<std::string> apply_run_yaml(const std::filesystem::path& path, RunConfi
       {"adam_epsilon", set(run.adam_epsilon)},
       {"max_grad_norm", set(run.max_grad_norm)},
       {"lr_scheduler_type", [&](const YAML::Node& n) {
-         const std::string s = n.as<std::string>();
-         if (s == "constant") run.lr_scheduler_type = LrSchedule::constant;
-         else if (s == "linear") run.lr_scheduler_type = LrSchedule::linear;
-         else if (s == "cosine") run.lr_scheduler_type = LrSchedule::cosine;
-         else mt_fail("lr_scheduler_type {}: expected constant, linear or cosine", s);
+         run.lr_scheduler_type = parse_lr_schedule(n.as<std::string>(), "lr_scheduler_type");
        }},
       {"warmup_steps", set(run.warmup_steps)},
       {"max_steps", set(run.max_steps)},
