@@ -424,8 +424,9 @@ TEST(LadderReport, CloseVerdictsShowTheirThreshold) {
   ladder["rungs"][4]["planned"]["attention_scratch"] = 4000;
   for (const LadderClaim& claim : ladder_claims(ladder)) {
     if (claim.id != "flash_linear") continue;
-    EXPECT_EQ(claim.verdict, ClaimVerdict::did_not_hold);
-    EXPECT_CONTAINS(claim.measured, "49.6% less (held needs at least 50%)");
+    // One length cannot refute a claim about growth: under the threshold it is not measured.
+    EXPECT_EQ(claim.verdict, ClaimVerdict::not_measured);
+    EXPECT_CONTAINS(claim.measured, "49.6% less (held needs at least 50%");
   }
 }
 
@@ -446,7 +447,9 @@ TEST(LadderReport, RunnerOutputIsUnderstood) {
   std::map<std::string, ClaimVerdict> v = verdicts_of(ladder);
   EXPECT_NE(v["qlora_biggest"], ClaimVerdict::not_measured);   // found by "added": "qlora"
   EXPECT_NE(v["checkpointing"], ClaimVerdict::not_measured);   // "gradient_checkpointing"
-  EXPECT_NE(v["flash_linear"], ClaimVerdict::not_measured);    // "flash"
+  for (const LadderClaim& claim : ladder_claims(ladder))        // "flash": found (its verdict may be
+    if (claim.id == "flash_linear")                             // "not measured" at one short length)
+      EXPECT_EQ(claim.measured.find("No rung adds"), std::string::npos) << claim.measured;
   EXPECT_EQ(v["bf16_stable"], ClaimVerdict::not_measured);     // no overflow in 2 steps: too few to judge
   const std::string md = ladder_markdown(ladder);
   EXPECT_CONTAINS(md, "| steps per rung | 2 |");               // steps_per_rung, not the base run's max_steps

@@ -30,6 +30,24 @@ std::vector<HostMicroBatch> first_step(Engine& engine, const Dataset& data, cons
   return trainer.next_step_batches();
 }
 
+// The trainer's first step under `options`, trained once on a fresh engine whose LoRA B is not
+// zero (so that every adapter has a gradient): its micro-batches, report and adapter gradients.
+struct TrainedStep {
+  std::vector<HostMicroBatch> batches;
+  StepReport report;
+  std::vector<float> grads;
+};
+TrainedStep train_first_step(Backend& backend, const RunConfig& run, const LlamaConfig& model, const Dataset& data,
+                             const TrainerOptions& options) {
+  PlannedEngine engine(backend, run, model);
+  init_with_nonzero_b(engine.engine());
+  TrainedStep step;
+  step.batches = first_step(engine.engine(), data, options);
+  step.report = engine->train_step(step.batches);
+  step.grads = adapter_grads(engine.engine());
+  return step;
+}
+
 // Every allocation the engine made is the planned allocation of the same name at the same
 // offset with the same size, in the planned order; a shorter micro-batch may skip whole token
 // chunks of the plan, and nothing else. Returns "" or the first mismatch.
@@ -194,18 +212,13 @@ TEST(DataShapes, MergedMicroBatchesGiveThePaddedStepInFewerPasses) {
     auto cpu = make_cpu_backend();
     TrainerOptions padded;
     padded.padding = Padding::max_length;
-    PlannedEngine reference(*cpu, run, model);
-    init_with_nonzero_b(reference.engine());
-    const std::vector<HostMicroBatch> four = first_step(reference.engine(), data, padded);
-    ASSERT_EQ(four.size(), 4u);
-    const StepReport want = reference->train_step(four);
-    const std::vector<float> want_grads = adapter_grads(reference.engine());
+    const TrainedStep want = train_first_step(*cpu, run, model, data, padded);
+    ASSERT_EQ(want.batches.size(), 4u);
     TrainerOptions merge;
     merge.pad_to_multiple_of = 4;
     merge.merge_micro_batches = true;
-    PlannedEngine engine(*cpu, run, model);
-    init_with_nonzero_b(engine.engine());
-    const std::vector<HostMicroBatch> batches = first_step(engine.engine(), data, merge);
+    const TrainedStep got = train_first_step(*cpu, run, model, data, merge);
+    const std::vector<HostMicroBatch>& batches = got.batches;
     EXPECT_LT(batches.size(), 4u);
     int64_t rows = 0;
     for (const HostMicroBatch& b : batches) {
@@ -214,11 +227,10 @@ TEST(DataShapes, MergedMicroBatchesGiveThePaddedStepInFewerPasses) {
     }
     EXPECT_EQ(rows, 12);
     EXPECT_GT(batches.front().rows, 3);  // at least one micro-batch holds more rows than planned
-    const StepReport got = engine->train_step(batches);
-    EXPECT_NEAR(got.loss, want.loss, 1e-5 * want.loss);
-    EXPECT_LT(rel_error(adapter_grads(engine.engine()), want_grads), 1e-5);
-    EXPECT_EQ(got.real_tokens, want.real_tokens);
-    EXPECT_EQ(got.targets, want.targets);
+    EXPECT_NEAR(got.report.loss, want.report.loss, 1e-5 * want.report.loss);
+    EXPECT_LT(rel_error(got.grads, want.grads), 1e-5);
+    EXPECT_EQ(got.report.real_tokens, want.report.real_tokens);
+    EXPECT_EQ(got.report.targets, want.report.targets);
     PlannedEngine fresh(*cpu, run, model);
     init_with_nonzero_b(fresh.engine());
     fresh->train_step({batches.front()});
@@ -242,27 +254,20 @@ TEST(DataShapes, PaddingFreeMergesOnlyWhileTheJoinedRowFitsThePlan) {
   apart.pad_to_multiple_of = 4;
   TrainerOptions merge = apart;
   merge.merge_micro_batches = true;
-  PlannedEngine reference(*cpu, run, model);
-  init_with_nonzero_b(reference.engine());
-  const std::vector<HostMicroBatch> four = first_step(reference.engine(), data, apart);
-  ASSERT_EQ(four.size(), 4u);
-  const StepReport want = reference->train_step(four);
-  const std::vector<float> want_grads = adapter_grads(reference.engine());
-  PlannedEngine engine(*cpu, run, model);
-  init_with_nonzero_b(engine.engine());
-  const std::vector<HostMicroBatch> batches = first_step(engine.engine(), data, merge);
-  EXPECT_LT(batches.size(), 4u);
-  EXPECT_GT(batches.size(), 1u);
+  const TrainedStep want = train_first_step(*cpu, run, model, data, apart);
+  ASSERT_EQ(want.batches.size(), 4u);
+  const TrainedStep got = train_first_step(*cpu, run, model, data, merge);
+  EXPECT_LT(got.batches.size(), 4u);
+  EXPECT_GT(got.batches.size(), 1u);
   int64_t tokens = 0;
-  for (const HostMicroBatch& b : batches) {
+  for (const HostMicroBatch& b : got.batches) {
     EXPECT_EQ(b.rows, 1);
     EXPECT_LE(b.seq, 3 * 40) << "a merged padding-free row outgrew the plan";
     tokens += b.real_tokens;
   }
-  EXPECT_EQ(tokens, want.real_tokens);
-  const StepReport got = engine->train_step(batches);
-  EXPECT_NEAR(got.loss, want.loss, 1e-5 * want.loss);
-  EXPECT_LT(rel_error(adapter_grads(engine.engine()), want_grads), 1e-5);
+  EXPECT_EQ(tokens, want.report.real_tokens);
+  EXPECT_NEAR(got.report.loss, want.report.loss, 1e-5 * want.report.loss);
+  EXPECT_LT(rel_error(got.grads, want.grads), 1e-5);
 }
 
 // Rows of several samples (--packing, --padding_free) give cuDNN's ragged backward its room in
