@@ -141,56 +141,7 @@ _peer_prepare_bnb() {
     return 1
   fi
   mkdir -p "$dir" || return 1
-  "$py" - "$tmp" "$dir" "$cuda" <<'EOF'
-# Repack: drop every native library but libbitsandbytes_cuda<N>.so and libbitsandbytes_cpu.so,
-# rewrite RECORD (sha256, size) and add a build tag so the file is not mistaken for the original.
-import base64, glob, hashlib, os, sys, zipfile
-src_dir, out_dir, cuda = sys.argv[1], sys.argv[2], sys.argv[3]
-(src,) = glob.glob(os.path.join(src_dir, "bitsandbytes-*.whl"))
-name, version, *rest = os.path.basename(src)[:-4].split("-")
-tags = rest[-3:]
-build = f"1cu{cuda}"
-keep_libs = {f"libbitsandbytes_cuda{cuda}.so", "libbitsandbytes_cpu.so"}
-out = os.path.join(out_dir, "-".join([name, version, build, *tags]) + ".whl")
-for old in glob.glob(os.path.join(out_dir, "bitsandbytes-*.whl")):
-    os.remove(old)
-kept, dropped, records = [], [], []
-with zipfile.ZipFile(src) as zin:
-    names = zin.namelist()
-    if f"bitsandbytes/libbitsandbytes_cuda{cuda}.so" not in names:
-        avail = sorted(n.split("/")[-1] for n in names if "libbitsandbytes_cuda" in n)
-        sys.exit(f"no libbitsandbytes_cuda{cuda}.so in {src}; it ships: {avail}")
-    record_name = next(n for n in names if n.endswith(".dist-info/RECORD"))
-    tmp_out = out + ".tmp"
-    with zipfile.ZipFile(tmp_out, "w", zipfile.ZIP_DEFLATED) as zout:
-        for info in zin.infolist():
-            base = info.filename.split("/")[-1]
-            if info.filename == record_name:
-                continue
-            if base.startswith("libbitsandbytes_") and base not in keep_libs:
-                dropped.append(base)
-                continue
-            data = zin.read(info)
-            if info.filename.endswith(".dist-info/WHEEL"):
-                text = data.decode()
-                if "\nBuild:" not in text:
-                    text = text.rstrip("\n") + f"\nBuild: {build}\n"
-                data = text.encode()
-            digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
-            records.append(f"{info.filename},sha256={digest},{len(data)}")
-            zi = zipfile.ZipInfo(info.filename, date_time=info.date_time)
-            zi.external_attr = info.external_attr
-            zi.compress_type = zipfile.ZIP_DEFLATED
-            zout.writestr(zi, data)
-            if base.startswith("libbitsandbytes_"):
-                kept.append(f"{base} ({len(data)} bytes)")
-        records.append(f"{record_name},,")
-        zout.writestr(record_name, "\n".join(records) + "\n")
-    os.replace(tmp_out, out)
-print(f"install_peer_wheels: wrote {out} ({os.path.getsize(out)} bytes; original {os.path.getsize(src)} bytes)")
-print(f"  kept:    {', '.join(kept)}")
-print(f"  dropped: {', '.join(sorted(dropped))}")
-EOF
+  "$py" "$(dirname "${BASH_SOURCE[0]}")/repack_wheel.py" bitsandbytes "$tmp" "$dir" "$cuda"
   local rc=$?
   rm -rf "$tmp"
   return $rc
@@ -241,51 +192,7 @@ _peer_prepare_unsloth() {
     rm -rf "$tmp"
     return 1
   fi
-  "$py" - "$tmp" "$dir" <<'PYEOF'
-# Repack: every entry under the top-level folder studio/ dropped (unsloth's web UI: 82 MB unpacked,
-# never imported by `import unsloth` or training), RECORD rewritten (sha256, size), build tag
-# "1nostudio" added so the file is not mistaken for the original.
-import base64, glob, hashlib, os, sys, zipfile
-src_dir, out_dir = sys.argv[1], sys.argv[2]
-(src,) = glob.glob(os.path.join(src_dir, "unsloth-*.whl"))
-name, version, *rest = os.path.basename(src)[:-4].split("-")
-tags = rest[-3:]
-build = "1nostudio"
-out = os.path.join(out_dir, "-".join([name, version, build, *tags]) + ".whl")
-for old in glob.glob(os.path.join(out_dir, "unsloth-*.whl")):
-    os.remove(old)
-dropped, records = 0, []
-with zipfile.ZipFile(src) as zin:
-    names = zin.namelist()
-    record_name = next(n for n in names if n.endswith(".dist-info/RECORD"))
-    tmp_out = out + ".tmp"
-    with zipfile.ZipFile(tmp_out, "w", zipfile.ZIP_DEFLATED) as zout:
-        for info in zin.infolist():
-            if info.filename == record_name:
-                continue
-            if info.filename.split("/")[0] == "studio":
-                dropped += 1
-                continue
-            data = zin.read(info)
-            if info.filename.endswith(".dist-info/WHEEL"):
-                text = data.decode()
-                if "\nBuild:" not in text:
-                    text = text.rstrip("\n") + f"\nBuild: {build}\n"
-                data = text.encode()
-            if info.filename.endswith(".dist-info/top_level.txt"):
-                data = "".join(l + "\n" for l in data.decode().split() if l != "studio").encode()
-            digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
-            records.append(f"{info.filename},sha256={digest},{len(data)}")
-            zi = zipfile.ZipInfo(info.filename, date_time=info.date_time)
-            zi.external_attr = info.external_attr
-            zi.compress_type = zipfile.ZIP_DEFLATED
-            zout.writestr(zi, data)
-        records.append(f"{record_name},,")
-        zout.writestr(record_name, "\n".join(records) + "\n")
-    os.replace(tmp_out, out)
-print(f"install_peer_wheels: wrote {out} ({os.path.getsize(out)} bytes; original {os.path.getsize(src)} bytes; "
-      f"{dropped} studio/ entries dropped)")
-PYEOF
+  "$py" "$(dirname "${BASH_SOURCE[0]}")/repack_wheel.py" unsloth "$tmp" "$dir"
   local rc=$?
   rm -rf "$tmp"
   return $rc

@@ -46,6 +46,39 @@ struct Results {
   std::vector<float> out, lse, dq, dk, dv;
 };
 
+// The whole-step tests' model and run: head_dim 64, GQA 2, bf16, rows of 40 tokens.
+LlamaConfig whole_step_model() {
+  LlamaConfig model = enginetest::small_model();
+  model.head_dim = 64;
+  model.num_attention_heads = 4;
+  model.num_key_value_heads = 2;
+  model.hidden_size = 256;
+  return model;
+}
+RunConfig whole_step_run() {
+  RunConfig run = enginetest::small_run();
+  run.max_seq_length = 40;
+  run.precision = Precision::bf16;
+  return run;
+}
+
+// A run's losses over its steps and its LoRA grads after the first, for an attention
+// implementation, without or with gradient checkpointing.
+using LossesAndGrads = std::pair<std::vector<double>, std::vector<float>>;
+using WholeSteps = std::function<LossesAndGrads(const char* attention, bool checkpointing)>;
+
+// cuDNN's losses and first-step LoRA grads against memtune's flash kernel within the bf16
+// tolerance, without and with checkpointing.
+void expect_cudnn_steps_match_flash(const WholeSteps& steps, const std::string& what) {
+  for (bool checkpointing : {false, true}) {
+    SCOPED_TRACE(checkpointing ? "checkpointing" : "no checkpointing");
+    const LossesAndGrads flash = steps("flash", checkpointing), cudnn = steps("cudnn", checkpointing);
+    for (size_t s = 0; s < flash.first.size(); ++s)
+      EXPECT_NEAR(cudnn.first[s], flash.first[s], 1e-2 * flash.first[s]) << "step " << s;
+    expect_close(what + " lora grads after step 1", cudnn.second, flash.second, 5e-2);
+  }
+}
+
 class CudnnAttentionTest : public CudaTest {
  protected:
   void SetUp() override {
@@ -151,15 +184,9 @@ TEST_F(CudnnAttentionTest, TooSmallWorkspaceFails) {
 // losses and grads within the bf16 tolerance. The rows are one sample plus padding, so the cuDNN
 // path runs (not the packed-rows fallback).
 TEST_F(CudnnAttentionTest, WholeStepMatchesFlash) {
-  LlamaConfig model = enginetest::small_model();
-  model.head_dim = 64;
-  model.num_attention_heads = 4;
-  model.num_key_value_heads = 2;
-  model.hidden_size = 256;
-  RunConfig run = enginetest::small_run();
-  run.max_seq_length = 40;
-  run.precision = Precision::bf16;
-  auto losses_and_grads = [&](const char* attention, bool checkpointing) {
+  const LlamaConfig model = whole_step_model();
+  const RunConfig run = whole_step_run();
+  const WholeSteps losses_and_grads = [&](const char* attention, bool checkpointing) {
     RunConfig r = run;
     r.attn_implementation = attention;
     r.gradient_checkpointing = checkpointing;
@@ -176,16 +203,9 @@ TEST_F(CudnnAttentionTest, WholeStepMatchesFlash) {
     }
     EXPECT_TRUE(engine->step().batch().one_sample_per_row) << attention;
     EXPECT_EQ(engine->memory().allocator().high_water(), engine.plan().arena_bytes) << attention;
-    return std::make_pair(losses, grads);
+    return LossesAndGrads(losses, grads);
   };
-  for (bool checkpointing : {false, true}) {
-    SCOPED_TRACE(checkpointing ? "checkpointing" : "no checkpointing");
-    const auto flash = losses_and_grads("flash", checkpointing);
-    const auto cudnn = losses_and_grads("cudnn", checkpointing);
-    for (size_t s = 0; s < flash.first.size(); ++s)
-      EXPECT_NEAR(cudnn.first[s], flash.first[s], 1e-2 * flash.first[s]) << "step " << s;
-    expect_close("lora grads after step 1", cudnn.second, flash.second, 5e-2);
-  }
+  expect_cudnn_steps_match_flash(losses_and_grads, "unpacked");
 }
 
 // A timing print, not a test: memtune's flash kernel beside cuDNN's fused attention at the seed
@@ -625,14 +645,8 @@ TEST_F(CudnnRaggedTest, WorkspaceFitsThePlannedBoundAndGraphBuildTimes) {
 // Packed micro-batches through the whole LlamaStep (rows of several samples; the engine builds
 // the table at upload): cudnn (its ragged path) against flash, the same losses and grads.
 TEST_F(CudnnRaggedTest, WholePackedStepMatchesFlash) {
-  LlamaConfig model = enginetest::small_model();
-  model.head_dim = 64;
-  model.num_attention_heads = 4;
-  model.num_key_value_heads = 2;
-  model.hidden_size = 256;
-  RunConfig run = enginetest::small_run();
-  run.max_seq_length = 40;
-  run.precision = Precision::bf16;
+  const LlamaConfig model = whole_step_model();
+  const RunConfig run = whole_step_run();
   // Row 0: samples of 7, 11 and 15 tokens, 7 of padding; row 1: 1, 3, 17 and 19 tokens.
   const std::vector<std::vector<int64_t>> layout = {{7, 11, 15}, {1, 3, 17, 19}};
   auto packed_batches = [&](int count, uint64_t seed) {
@@ -669,7 +683,7 @@ TEST_F(CudnnRaggedTest, WholePackedStepMatchesFlash) {
     }
     return out;
   };
-  auto losses_and_grads = [&](const char* attention, bool checkpointing) {
+  const WholeSteps losses_and_grads = [&](const char* attention, bool checkpointing) {
     RunConfig r = run;
     r.attn_implementation = attention;
     r.gradient_checkpointing = checkpointing;
@@ -692,16 +706,9 @@ TEST_F(CudnnRaggedTest, WholePackedStepMatchesFlash) {
       EXPECT_EQ(after.refused, before.refused) << "cuDNN refused the packed rows";
     }
     EXPECT_EQ(engine->memory().allocator().high_water(), engine.plan().arena_bytes) << attention;
-    return std::make_pair(losses, grads);
+    return LossesAndGrads(losses, grads);
   };
-  for (bool checkpointing : {false, true}) {
-    SCOPED_TRACE(checkpointing ? "checkpointing" : "no checkpointing");
-    const auto flash = losses_and_grads("flash", checkpointing);
-    const auto cudnn = losses_and_grads("cudnn", checkpointing);
-    for (size_t s = 0; s < flash.first.size(); ++s)
-      EXPECT_NEAR(cudnn.first[s], flash.first[s], 1e-2 * flash.first[s]) << "step " << s;
-    expect_close("packed lora grads after step 1", cudnn.second, flash.second, 5e-2);
-  }
+  expect_cudnn_steps_match_flash(losses_and_grads, "packed");
 }
 
 // A timing print: packed rows (several 2048-token samples in an 8192-token row) through cuDNN's
