@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli_test_util.h"
+#include "memtune/core/bytes.h"
 
 namespace fs = std::filesystem;
 
@@ -298,6 +299,28 @@ TEST(CliPlan, VramAdviceOffersQloraAndAgreesWithFit) {
   const Result fit = run_memtune("fit --model llama-3.1-8b --bf16 --vram 12GiB --context 0");
   EXPECT_EQ(fit.exit_code, 0) << fit.output;
   EXPECT_NE(fit.output.find("QLoRA"), std::string::npos) << fit.output;
+}
+
+// At 6 GiB an 8B fits only with the checkpointed inputs and the embedding table in host memory:
+// the advice's stack and fit find it alike, and fit's flags carry both offloads.
+TEST(CliPlan, VramAdviceAndFitAgreeWhereOnlyOffloadFits) {
+  const Result plan = run_memtune("plan --model llama-3.1-8b --vram 6GiB");
+  expect_refused(plan, "does not fit --vram 6GiB", "an 8B in fp32 at 6 GiB");
+  EXPECT_NE(plan.output.find("finds a run that fits"), std::string::npos) << plan.output;
+  const Result fit = run_memtune("fit --model llama-3.1-8b --vram 6GiB");
+  EXPECT_EQ(fit.exit_code, 0) << fit.output;
+  EXPECT_NE(fit.output.find("--offload_activations --offload_embeddings"), std::string::npos) << fit.output;
+}
+
+// On the CPU the advice's figures are CPU plans (no GPU workspace), as the refused plan is.
+TEST(CliPlan, CpuVramAdviceCountsTheCpuPlan) {
+  const Result plan = run_memtune("plan --device cpu --model tiny --vram 1MiB");
+  EXPECT_EQ(plan.exit_code, 2) << plan.output;
+  const Result json = run_memtune("plan --device cpu --model tiny --json");
+  ASSERT_EQ(json.exit_code, 0) << json.output;
+  const uint64_t peak = nlohmann::json::parse(json.output.substr(json.output.find('{')))["peak_bytes"].get<uint64_t>();
+  EXPECT_NE(plan.output.find("the plan needs " + memtune::format_bytes(peak) + " + "), std::string::npos) << plan.output;
+  EXPECT_EQ(plan.output.find("memtune fit"), std::string::npos) << plan.output;  // fit searches GPU runs
 }
 
 TEST(CliNames, HuggingFaceAliasesVersionAndUnknownOptions) {

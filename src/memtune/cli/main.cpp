@@ -82,8 +82,8 @@ void check_budget(const Plan& plan, const RunConfig& run, const LlamaConfig& mod
   if (world_size > 1)
     mt_fail("one rank of {} does not fit --vram {}: it plans {} per rank{} + {} context; {}", world_size, vram,
             format_bytes(plan.arena_bytes), run.shard_base ? " with the base sharded" : "", format_bytes(context),
-            fit_advice(run, model, budget, context, world_size));
-  mt_fail("run does not fit --vram {}: {}", vram, fit_advice(run, model, budget, context));
+            fit_advice(run, model, budget, context, plan.target, world_size));
+  mt_fail("run does not fit --vram {}: {}", vram, fit_advice(run, model, budget, context, plan.target));
 }
 
 // The machine's available memory (MemAvailable of /proc/meminfo), 0 when it cannot be read.
@@ -705,6 +705,7 @@ int run_cli(int argc, char** argv) {
     if (!fit.fits) return 3;
     std::cout << format_plan(plan_run(fit.run, model), fit.run, model);
     std::cout << fmt::format("predicted peak with context: {}\n", format_bytes(fit.with_context_bytes));
+    std::cout << fmt::format("the options: {}\n", fit_flags(fit.run));
     return 0;
   }
 

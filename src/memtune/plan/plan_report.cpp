@@ -91,7 +91,7 @@ std::string format_plan(const Plan& plan, const RunConfig& run, const LlamaConfi
 }
 
 std::string fit_advice(const RunConfig& run, const LlamaConfig& model, uint64_t budget,
-                       uint64_t context, int world_size) {
+                       uint64_t context, Device device, int world_size) {
   struct Change {
     std::string what;
     std::function<bool(RunConfig&)> apply;  // false: not applicable
@@ -109,7 +109,7 @@ std::string fit_advice(const RunConfig& run, const LlamaConfig& model, uint64_t 
       {"halve --per_device_train_batch_size (double accumulation)", [](RunConfig& r) { if (r.per_device_train_batch_size < 2) return false; r.per_device_train_batch_size /= 2; r.gradient_accumulation_steps *= 2; return true; }},
       {"halve --max_seq_length", [](RunConfig& r) { if (r.max_seq_length < 4) return false; r.max_seq_length /= 2; return true; }},
   };
-  const auto planned = [&](const RunConfig& r) { return plan_run(r, model, Device::cuda, world_size).arena_bytes; };
+  const auto planned = [&](const RunConfig& r) { return plan_run(r, model, device, world_size).arena_bytes; };
   std::string out = fmt::format("the plan{} needs {} + {} context, over the budget of {}. Single changes:\n",
                                 world_size > 1 ? fmt::format(" of one rank of {}", world_size) : "",
                                 format_bytes(planned(run)), format_bytes(context), format_bytes(budget));
@@ -124,8 +124,8 @@ std::string fit_advice(const RunConfig& run, const LlamaConfig& model, uint64_t 
   const uint64_t all_peak = planned(all) + context;
   out += fmt::format("  {:<58} -> {:>12}{}\n", "all of the above", format_bytes(all_peak), all_peak <= budget ? "  fits" : "  still does not fit");
   // The search `memtune fit` makes (same plans, same effective batch and seq), so that the
-  // advice and fit give one answer.
-  if (world_size == 1) {
+  // advice and fit give one answer. fit searches GPU runs: a CPU run's advice ends above.
+  if (world_size == 1 && device == Device::cuda) {
     const FitResult fit = fit_run(run, model, budget, context);
     const std::string reserve = context > 0 ? fmt::format(" with {} reserved for the CUDA context", format_bytes(context)) : "";
     if (fit.fits)

@@ -19,8 +19,9 @@ nlohmann::json run_config_json(const RunConfig& run, const LlamaConfig& model);
 
 // Advice for a run whose plan exceeds the budget: what each single change would give.
 // world_size > 1: the plans are one rank's (plan_run with world_size), and sharding the base
-// (--shard_base) is one of the changes.
+// (--shard_base) is one of the changes. The plans are the device's (a CPU run has no GPU
+// workspace), and `memtune fit`'s answer follows for a CUDA run.
 std::string fit_advice(const RunConfig& run, const LlamaConfig& model, uint64_t budget_bytes,
-                       uint64_t context_bytes, int world_size = 1);
+                       uint64_t context_bytes, Device device, int world_size = 1);
 
 }  // namespace memtune
