@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+
 #include <functional>
 
 #include "memtune/core/bytes.h"
@@ -72,18 +74,25 @@ std::string format_plan(const Plan& plan, const RunConfig& run, const LlamaConfi
       run.offload_activations ? " + offload" : "", run.loss_implementation,
       run.per_device_train_batch_size, run.max_seq_length, run.gradient_accumulation_steps,
       run.lora_r, run.lora_alpha, run.lora_target_modules);
-  out += fmt::format("  {:<24}{:>14}{:>14}\n", "category", "at peak", "own max");
+  // The figure columns: 14 wide, or wider where a figure needs it (a model at the size limits),
+  // so that two figures never run together.
+  size_t width = 14;
+  const auto widen = [&](uint64_t bytes) { width = std::max(width, format_bytes(bytes).size() + 2); };
+  for (int c = 0; c < kNumMemCategories; ++c) widen(plan.at_peak[c]), widen(plan.max_by_category[c]);
+  widen(plan.arena_bytes);
+  for (const HostAllocationRecord& r : plan.host_records) widen(r.bytes);
+  out += fmt::format("  {:<24}{:>{}}{:>{}}\n", "category", "at peak", width, "own max", width);
   for (int c = 0; c < kNumMemCategories; ++c)
-    out += fmt::format("  {:<24}{:>14}{:>14}\n", category_label(category_at(c)),
-                       format_bytes(plan.at_peak[c]), format_bytes(plan.max_by_category[c]));
-  out += fmt::format("  {:<24}{:>14}\n", "peak (arena)", format_bytes(plan.arena_bytes));
+    out += fmt::format("  {:<24}{:>{}}{:>{}}\n", category_label(category_at(c)), format_bytes(plan.at_peak[c]), width,
+                       format_bytes(plan.max_by_category[c]), width);
+  out += fmt::format("  {:<24}{:>{}}\n", "peak (arena)", format_bytes(plan.arena_bytes), width);
   // Host memory, beside the device arena (pinned, allocated once; not in the device peak).
   if (plan.host_records.empty())
-    out += fmt::format("  {:<24}{:>14}   host (pinned), not in the device peak\n", "host memory", format_bytes(0));
+    out += fmt::format("  {:<24}{:>{}}   host (pinned), not in the device peak\n", "host memory", format_bytes(0), width);
   for (const HostAllocationRecord& r : plan.host_records)
-    out += fmt::format("  {:<24}{:>14}   host (pinned), not in the device peak\n",
+    out += fmt::format("  {:<24}{:>{}}   host (pinned), not in the device peak\n",
                        r.name == "model.embed_tokens.weight" ? "offloaded embeddings" : "offloaded activations",
-                       format_bytes(r.bytes));
+                       format_bytes(r.bytes), width);
   out += fmt::format("  parameters: {} frozen, {} trainable; {} allocations planned in {:.3f} s\n",
                      plan.frozen_parameters, plan.trainable_parameters, plan.records.size(),
                      plan.seconds);
