@@ -240,10 +240,18 @@ TEST(CliTrain, SkippedStepsAreSummarisedAndARunThatDidNotTrainFails) {
   EXPECT_FALSE(fs::exists(out / "checkpoint-8"));
 
   // Allowed, it finishes and still says how many steps were skipped.
-  const Result allowed = run_memtune(common + " --fp16 --learning_rate 1e6 --max_steps 30 --allow_skipped_steps");
+  const fs::path allowed_out = dir / "allowed";
+  const Result allowed = run_memtune(common + " --fp16 --learning_rate 1e6 --max_steps 30 --allow_skipped_steps --out " +
+                                     allowed_out.string());
   EXPECT_EQ(allowed.exit_code, 0) << allowed.output;
   EXPECT_NE(allowed.output.find("30 steps: "), std::string::npos) << allowed.output;
   EXPECT_EQ(allowed.output.find("30 steps: 0 skipped"), std::string::npos) << allowed.output;
+  // Its adapter overflows fp16: eval says so and fails, it does not print a null loss.
+  const Result eval = run_memtune("eval --device cpu --fp16 --seq 32 --adapter " + (allowed_out / "adapter").string() +
+                                  " --data " + text_data(dir));
+  EXPECT_EQ(eval.exit_code, 2) << eval.output;
+  EXPECT_NE(eval.output.find("is not finite"), std::string::npos) << eval.output;
+  EXPECT_EQ(eval.output.find("null"), std::string::npos) << eval.output;
   expect_refused(run_memtune(common + " --max_skipped_steps_ratio 1.5"), "--max_skipped_steps_ratio 1.5",
                  "a ratio above 1");
 }

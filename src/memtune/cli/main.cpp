@@ -4,6 +4,7 @@
 #include <CLI/CLI.hpp>
 
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <ctime>
 #include <fstream>
@@ -810,6 +811,9 @@ int run_cli(int argc, char** argv) {
       tokens += count;
     }
     MT_USER_CHECK(tokens > 0, "every label in {} is masked (-100): no loss to report", data_path);
+    // A diverged adapter, or fp16 overflow: no number to report is an error, not a null.
+    MT_USER_CHECK(std::isfinite(loss_sum), "the eval loss over {} is not finite ({}): the adapter's outputs overflow{}",
+                  data_path, loss_sum, eval_run.precision == Precision::fp16 ? " fp16 (--bf16 or --fp32 keep them finite)" : "");
     std::cout << nlohmann::json{{"loss", loss_sum / tokens}, {"tokens", tokens}, {"samples", data.samples.size()}}.dump() << "\n";
     return 0;
   }

@@ -465,6 +465,10 @@ TrainOutcome Trainer::run() {
   int64_t last_eval_step = -1;
   auto run_eval = [&](int64_t step) {
     const auto [loss, targets] = evaluate();
+    if (!std::isfinite(loss))
+      err_ << fmt::format("memtune: warning: the eval loss after step {} is not finite ({}): the adapter's "
+                          "outputs overflow{}\n",
+                          step, loss, fp16 ? " fp16 (--bf16 or --fp32 keep them finite)" : "");
     outcome.eval_losses.push_back({step, loss});
     last_eval_step = step;
     metrics.write({{"event", "eval"}, {"command", "train"}, {"step", step}, {"eval_loss", loss},
