@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "memtune/io/json_util.h"
 #include "memtune/io/safetensors.h"
@@ -23,6 +24,14 @@ struct Result {
   int exit_code;
   std::string output;  // stdout and stderr together
 };
+
+// The records of a JSONL file (a --metrics log), one per line.
+inline std::vector<nlohmann::json> read_jsonl(const std::filesystem::path& file) {
+  std::ifstream in(file);
+  std::vector<nlohmann::json> records;
+  for (std::string line; std::getline(in, line);) records.push_back(nlohmann::json::parse(line));
+  return records;
+}
 
 // Runs `script` in a subshell with stderr folded into stdout.
 inline Result run_shell(const std::string& script) {

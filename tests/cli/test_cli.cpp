@@ -254,13 +254,6 @@ TEST(CliLadder, CpuLadderWritesEveryRungWithEveryField) {
 
 namespace {
 
-std::vector<nlohmann::json> read_jsonl(const fs::path& file) {
-  std::ifstream in(file);
-  std::vector<nlohmann::json> records;
-  for (std::string line; std::getline(in, line);) records.push_back(nlohmann::json::parse(line));
-  return records;
-}
-
 TEST(CliLadder, IsolateProgressAndMetrics) {
   const fs::path dir = scratch_dir("ladder_isolate");
   // Not --quiet: the progress line goes to stderr, here a pipe, so plain lines with an ETA.

@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <functional>
 #include <map>
+#include <sstream>
 #include <fstream>
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -346,14 +347,32 @@ TEST(CliNames, HuggingFaceAliasesVersionAndUnknownOptions) {
   EXPECT_NE(command.output.find("unknown command trian; did you mean train?"), std::string::npos) << command.output;
   EXPECT_EQ(run_memtune("plan --seq").exit_code, 2);  // a missing value: CLI11's message, memtune's exit code
 
-  // --logging_steps: a step line every N steps, and the last.
-  const Result logged = run_memtune("train --device cpu --seq 16 --max_steps 5 --logging_steps 2");
+  // --logging_steps: a step line every N steps, and the last, whose loss is the mean of the steps
+  // since the line before (transformers' logging); the progress lines (off a terminal) follow it.
+  const fs::path metrics = scratch_dir("trust_logging_steps") / "metrics.jsonl";
+  fs::remove(metrics);
+  const Result logged =
+      run_memtune("train --device cpu --seq 16 --max_steps 5 --logging_steps 2 --metrics " + metrics.string());
   ASSERT_EQ(logged.exit_code, 0) << logged.output;
-  int lines = 0;
-  for (size_t at = logged.output.find("{\"engine_peak_bytes\""); at != std::string::npos;
-       at = logged.output.find("{\"engine_peak_bytes\"", at + 1))
-    ++lines;
-  EXPECT_EQ(lines, 3) << logged.output;  // steps 2, 4 and 5
+  std::vector<nlohmann::json> lines;
+  std::istringstream output(logged.output);
+  int progress_lines = 0;
+  for (std::string text; std::getline(output, text);) {
+    if (text.rfind("{\"engine_peak_bytes\"", 0) == 0) lines.push_back(nlohmann::json::parse(text));
+    if (text.rfind("train step ", 0) == 0) ++progress_lines;
+  }
+  ASSERT_EQ(lines.size(), 3u) << logged.output;  // steps 2, 4 and 5
+  EXPECT_EQ(progress_lines, 3) << logged.output;
+  std::vector<double> step_losses;
+  for (const nlohmann::json& record : read_jsonl(metrics))
+    if (record["event"] == "step") step_losses.push_back(record["loss"].get<double>());
+  ASSERT_EQ(step_losses.size(), 5u);
+  EXPECT_EQ(lines[0]["step"], 2);
+  EXPECT_EQ(lines[0]["loss_steps"], 2);
+  EXPECT_NEAR(lines[0]["loss"].get<double>(), (step_losses[0] + step_losses[1]) / 2, 1e-12);
+  EXPECT_NEAR(lines[1]["loss"].get<double>(), (step_losses[2] + step_losses[3]) / 2, 1e-12);
+  EXPECT_FALSE(lines[2].contains("loss_steps"));
+  EXPECT_NEAR(lines[2]["loss"].get<double>(), step_losses[4], 1e-12);
 }
 
 TEST(CliLadder, StartsFromFp32WhenAskedAndNeedsStepsToJudgeStability) {

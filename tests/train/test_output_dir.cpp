@@ -85,6 +85,24 @@ TEST(OutputDir, OneRunAtATimeHoldsTheLock) {
   EXPECT_NO_THROW(OutputDirLock again(out));
 }
 
+// A run refused before it writes anything leaves no folder behind that it made; a folder that was
+// there before, or one the run wrote into, stays.
+TEST(OutputDir, AFolderTheLockMadeAndNothingWroteIntoGoesWithIt) {
+  const fs::path parent = fresh_dir("lock_made");
+  const fs::path made = parent / "made";
+  { OutputDirLock lock(made); }
+  EXPECT_FALSE(fs::exists(made));
+  {
+    OutputDirLock lock(made);
+    std::ofstream(made / "adapter_model.safetensors") << "x";
+  }
+  EXPECT_TRUE(fs::exists(made / "adapter_model.safetensors"));
+  const fs::path existing = parent / "existing";
+  fs::create_directories(existing);
+  { OutputDirLock lock(existing); }
+  EXPECT_TRUE(fs::is_directory(existing));
+}
+
 TEST(OutputDir, AFreshRunNeedsAnEmptyFolderOrOverwrite) {
   const fs::path out = fresh_dir("fresh");
   OutputDirLock lock(out);

@@ -119,8 +119,9 @@ std::vector<fs::path> rotate_checkpoints(const fs::path& out, int64_t limit) {
   return removed;
 }
 
-OutputDirLock::OutputDirLock(const fs::path& out) {
+OutputDirLock::OutputDirLock(const fs::path& out) : out_(out) {
   std::error_code error;
+  created_ = !fs::exists(out, error);
   fs::create_directories(out, error);
   MT_USER_CHECK(!error, "--out {}: cannot create the folder: {}", out.string(), error.message());
   const fs::path path = out / kOutputLockName;
@@ -151,7 +152,17 @@ OutputDirLock::OutputDirLock(const fs::path& out) {
 }
 
 OutputDirLock::~OutputDirLock() {
-  if (fd_ >= 0) ::close(fd_);  // drops the flock
+  if (fd_ < 0) return;
+  // A run that made OUT and wrote nothing into it (refused before its first file) leaves no
+  // folder behind: the lock file goes while it is still held, then the empty folder.
+  std::error_code error;
+  if (created_) {
+    bool only_lock = true;
+    for (const fs::directory_entry& entry : fs::directory_iterator(out_, error))
+      if (entry.path().filename() != kOutputLockName) only_lock = false;
+    if (!error && only_lock && fs::remove(out_ / kOutputLockName, error)) fs::remove(out_, error);
+  }
+  ::close(fd_);  // drops the flock
 }
 
 std::vector<std::string> prepare_output_dir(const fs::path& out, bool overwrite, bool resuming) {

@@ -51,6 +51,7 @@ std::vector<std::filesystem::path> rotate_checkpoints(const std::filesystem::pat
 // Holds an exclusive flock on OUT/.memtune.lock (creating OUT when needed) so that two runs
 // cannot write into one folder at once. The kernel releases it when the descriptor closes:
 // on destruction, and however the process ends (a SIGKILL too), so a stale lock never blocks.
+// A folder that it made and that holds nothing but the lock at destruction is removed.
 class OutputDirLock {
  public:
   // memtune::Error when another process holds the lock (naming its pid) or OUT cannot be made.
@@ -60,6 +61,8 @@ class OutputDirLock {
   OutputDirLock& operator=(const OutputDirLock&) = delete;
 
  private:
+  std::filesystem::path out_;
+  bool created_ = false;  // OUT did not exist before: removed again if the run writes nothing into it
   int fd_ = -1;
 };
 

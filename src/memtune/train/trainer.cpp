@@ -463,6 +463,8 @@ TrainOutcome Trainer::run() {
   outcome.first_step = engine_.steps_done();
   const bool fp16 = run.precision == Precision::fp16;
   int64_t last_eval_step = -1;
+  double logged_loss_sum = 0;  // the steps since the last --logging_steps line
+  int64_t logged_loss_steps = 0;
   auto run_eval = [&](int64_t step) {
     const auto [loss, targets] = evaluate();
     if (!std::isfinite(loss))
@@ -506,8 +508,8 @@ TrainOutcome Trainer::run() {
                              {"lr", report.learning_rate}, {"epoch", epochs_done},
                              {"grad_norm", std::isfinite(report.grad_norm) ? nlohmann::json(report.grad_norm) : nlohmann::json()},
                              {"planned_peak_bytes", options_.planned_peak_bytes},
-                             {"engine_peak_bytes", engine_.memory().allocator().high_water()}};
-    if (fp16) record["skipped"] = report.skipped;
+                             {"engine_peak_bytes", engine_.memory().allocator().high_water()},
+                             {"skipped", report.skipped}};  // every precision: one record shape
     if (profiled) record["profiled"] = true;
     if (done <= replayed_until) record["replayed"] = true;  // logged before by the run this one resumes
     // fp16 overflows are the loss scaler's business (the step was skipped and the scale backed
@@ -546,12 +548,24 @@ TrainOutcome Trainer::run() {
       record["eval_loss"] = eval_loss;
     }
     metrics.write(std::move(record));
+    // --logging_steps N: a line every N steps (and the last), whose loss is the mean of the
+    // steps since the previous line, as transformers logs it; --metrics keeps every step.
+    logged_loss_sum += report.loss;
+    ++logged_loss_steps;
+    const bool log_line = done % std::max<int64_t>(1, options_.logging_steps) == 0 || done == run.max_steps;
     progress.clear();  // the step's line goes to stdout; the progress line is redrawn below it
-    if (!options_.quiet && (done % std::max<int64_t>(1, options_.logging_steps) == 0 || done == run.max_steps))
-      out_ << line.dump() << std::endl;
+    if (log_line) {
+      line["loss"] = logged_loss_sum / static_cast<double>(logged_loss_steps);
+      if (logged_loss_steps > 1) line["loss_steps"] = logged_loss_steps;
+      logged_loss_sum = 0;
+      logged_loss_steps = 0;
+      if (!options_.quiet) out_ << line.dump() << std::endl;
+    }
     progress.set_work_done(static_cast<double>(done - outcome.first_step));
-    progress.update(fmt::format("train step {}/{}  loss {:.4f}  {:.2f} s/step  {:.0f} tokens/s", done, run.max_steps,
-                                report.loss, seconds, report.real_tokens / seconds));
+    // Off a terminal every progress update is a line of its own: those follow the logging steps.
+    if (progress.terminal() || log_line)
+      progress.update(fmt::format("train step {}/{}  loss {:.4f}  {:.2f} s/step  {:.0f} tokens/s", done, run.max_steps,
+                                  report.loss, seconds, report.real_tokens / seconds));
     if (options_.after_step) options_.after_step(done, report);
     if (!options_.out_dir.empty() && options_.save_steps > 0 && done % options_.save_steps == 0) {
       // A run that has stopped training keeps its last good checkpoint instead of a new one.
