@@ -296,29 +296,28 @@ TEST(CliTrain, ARunOnSyntheticTokensOrWithoutOutSaysSoFirst) {
 
 // ---- 6. advice, names, the ladder ----------------------------------------------------------------
 
+// The README's example (an 8B in bf16 does not fit 12 GiB; QLoRA does) and an 8B at 6 GiB, which
+// fits only with the checkpointed inputs and the embedding table in host memory: the advice and
+// fit hold the same CUDA context reserve (ops/device.h) beside the plan and find the same run.
 TEST(CliPlan, VramAdviceOffersQloraAndAgreesWithFit) {
-  // The README's example: an 8B in bf16 does not fit 12 GiB; QLoRA does.
-  const Result plan = run_memtune("plan --model llama-3.1-8b --bf16 --vram 12GiB");
-  expect_refused(plan, "does not fit --vram 12GiB", "the README's refusal");
-  EXPECT_NE(plan.output.find("--load_in_4bit (QLoRA"), std::string::npos) << plan.output;
-  // The advice and fit hold the same CUDA context reserve (ops/device.h) beside the plan.
-  EXPECT_NE(plan.output.find("memtune fit (the same plans with 640.0 MiB reserved for the CUDA context) finds a run "
-                             "that fits"), std::string::npos) << plan.output;
-  EXPECT_EQ(plan.output.find("still does not fit"), std::string::npos) << plan.output;
-  const Result fit = run_memtune("fit --model llama-3.1-8b --bf16 --vram 12GiB --context 0");
-  EXPECT_EQ(fit.exit_code, 0) << fit.output;
-  EXPECT_NE(fit.output.find("QLoRA"), std::string::npos) << fit.output;
-}
-
-// At 6 GiB an 8B fits only with the checkpointed inputs and the embedding table in host memory:
-// the advice's stack and fit find it alike, and fit's flags carry both offloads.
-TEST(CliPlan, VramAdviceAndFitAgreeWhereOnlyOffloadFits) {
-  const Result plan = run_memtune("plan --model llama-3.1-8b --vram 6GiB");
-  expect_refused(plan, "does not fit --vram 6GiB", "an 8B in fp32 at 6 GiB");
-  EXPECT_NE(plan.output.find("finds a run that fits"), std::string::npos) << plan.output;
-  const Result fit = run_memtune("fit --model llama-3.1-8b --vram 6GiB");
-  EXPECT_EQ(fit.exit_code, 0) << fit.output;
-  EXPECT_NE(fit.output.find("--offload_activations --offload_embeddings"), std::string::npos) << fit.output;
+  struct Case {
+    const char* options;
+    const char* budget;
+    const char* fit_finds;
+  };
+  for (const Case& c : {Case{"--bf16", "12GiB", "--load_in_4bit"},
+                        Case{"", "6GiB", "--load_in_4bit --gradient_checkpointing --offload_activations --offload_embeddings"}}) {
+    SCOPED_TRACE(c.budget);
+    const Result plan = run_memtune(fmt::format("plan --model llama-3.1-8b {} --vram {}", c.options, c.budget));
+    expect_refused(plan, fmt::format("does not fit --vram {}", c.budget), "an 8B over its budget");
+    EXPECT_NE(plan.output.find("--load_in_4bit (QLoRA"), std::string::npos) << plan.output;
+    EXPECT_NE(plan.output.find("memtune fit (the same plans with 640.0 MiB reserved for the CUDA context) finds a "
+                               "run that fits"), std::string::npos) << plan.output;
+    EXPECT_EQ(plan.output.find("still does not fit"), std::string::npos) << plan.output;
+    const Result fit = run_memtune(fmt::format("fit --model llama-3.1-8b {} --vram {}", c.options, c.budget));
+    EXPECT_EQ(fit.exit_code, 0) << fit.output;
+    EXPECT_NE(fit.output.find(c.fit_finds), std::string::npos) << fit.output;
+  }
 }
 
 // On the CPU the advice's figures are CPU plans (no GPU workspace), as the refused plan is.
