@@ -227,9 +227,9 @@ TEST(CliTrain, SkippedStepsAreSummarisedAndARunThatDidNotTrainFails) {
             std::string::npos) << healthy.output;
 
   // fp16 at a learning rate that overflows every step after the first: nothing is trained.
+  const std::string overflow = common + " --fp16 --learning_rate 1e6 --max_steps 30 --out ";
   const fs::path out = dir / "out";
-  const Result overflowing = run_memtune(common + " --fp16 --learning_rate 1e6 --max_steps 30 --save_steps 4 --out " +
-                                         out.string());
+  const Result overflowing = run_memtune(overflow + out.string() + " --save_steps 4");
   EXPECT_EQ(overflowing.exit_code, 2) << overflowing.output;
   EXPECT_NE(overflowing.output.find("did not train the adapter"), std::string::npos) << overflowing.output;
   EXPECT_NE(overflowing.output.find("--max_skipped_steps_ratio 0.5"), std::string::npos) << overflowing.output;
@@ -242,8 +242,7 @@ TEST(CliTrain, SkippedStepsAreSummarisedAndARunThatDidNotTrainFails) {
 
   // Allowed, it finishes and still says how many steps were skipped.
   const fs::path allowed_out = dir / "allowed";
-  const Result allowed = run_memtune(common + " --fp16 --learning_rate 1e6 --max_steps 30 --allow_skipped_steps --out " +
-                                     allowed_out.string());
+  const Result allowed = run_memtune(overflow + allowed_out.string() + " --allow_skipped_steps");
   EXPECT_EQ(allowed.exit_code, 0) << allowed.output;
   EXPECT_NE(allowed.output.find("30 steps: "), std::string::npos) << allowed.output;
   EXPECT_EQ(allowed.output.find("30 steps: 0 skipped"), std::string::npos) << allowed.output;
