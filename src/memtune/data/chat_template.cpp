@@ -214,7 +214,8 @@ void render_mistral_v3(const std::vector<ChatMessage>& messages, Rendering& r) {
       }
       r.special(kInstEnd);
     } else {
-      r.text(" " + std::string(unicode::strip_python_space(m.content)), 0);
+      // append, not " " + std::string(...): g++ 12 warns (-Wrestrict) on that operator+ when inlined.
+      r.text(std::string(" ").append(unicode::strip_python_space(m.content)), 0);
       r.special(kMistralEos, true);
     }
   }
