@@ -449,7 +449,7 @@ int run_cli(int argc, char** argv) {
   std::string context = fmt::format("{}MiB", kCudaContextReserveBytes >> 20);
   fit_cmd->add_option("--vram", vram, "budget, e.g. 24GiB")->required();
   fit_cmd->add_flag("--packing,--padding_free", run.packed_rows, "fit a run whose rows hold several samples (train --packing / --padding_free)");
-  fit_cmd->add_flag("--json", json, "with --max-context: print one JSON object");
+  fit_cmd->add_flag("--json", json, "print one JSON object: the fitted run (its options and plan), or with --max-context the longest contexts");
   fit_cmd->add_option("--context", context, "CUDA context + library handles to reserve (the ladder measures it)")->capture_default_str();
   bool max_context = false;
   fit_cmd->add_flag("--max-context,--max_context", max_context,
@@ -702,6 +702,18 @@ int run_cli(int argc, char** argv) {
 
   if (fit_cmd->parsed()) {
     const FitResult fit = fit_run(run, model, parse_bytes(vram), parse_bytes(context));
+    if (json) {
+      nlohmann::json out = {{"units", "bytes"}, {"fits", fit.fits}, {"budget_bytes", parse_bytes(vram)},
+                            {"context_bytes", parse_bytes(context)}, {"explanation", fit.explanation}};
+      if (fit.fits) {
+        out["options"] = fit_flags(fit.run);
+        out["planned_bytes"] = fit.planned_bytes;
+        out["with_context_bytes"] = fit.with_context_bytes;
+        out["plan"] = plan_json(plan_run(fit.run, model), fit.run, model);
+      }
+      std::cout << out.dump(2) << "\n";
+      return fit.fits ? 0 : 3;
+    }
     std::cout << fit.explanation;
     if (!fit.fits) return 3;
     std::cout << format_plan(plan_run(fit.run, model), fit.run, model);
