@@ -95,25 +95,26 @@ TEST(CliPlan, VramBudgetRefusesWithAdvice) {
 }
 
 TEST(CliFit, FindsTheFastestFittingSetAndRefusesTheImpossible) {
-  const Result r = run_memtune("fit --model llama-3.1-8b --batch 2 --accum 8 --seq 2048 --vram 24GiB");
+  const std::string fits = "fit --model llama-3.1-8b --batch 2 --accum 8 --seq 2048 --vram 24GiB";
+  const std::string impossible = "fit --model llama-3.1-70b --seq 2048 --vram 8GiB";
+  const Result r = run_memtune(fits), none = run_memtune(impossible);
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_NE(r.output.find("fits at micro-batch"), std::string::npos) << r.output;
-  EXPECT_NE(r.output.find("predicted peak with context"), std::string::npos) << r.output;
-  const Result none = run_memtune("fit --model llama-3.1-70b --seq 2048 --vram 8GiB");
+  for (const char* expected : {"fits at micro-batch", "predicted peak with context", "the options: --bf16"})
+    EXPECT_NE(r.output.find(expected), std::string::npos) << r.output;
   EXPECT_EQ(none.exit_code, 3) << none.output;
   EXPECT_NE(none.output.find("nothing fits"), std::string::npos) << none.output;
-  // --json: one object, the fitted run's options and its plan, for scripts.
-  const Result json = run_memtune("fit --model llama-3.1-8b --batch 2 --accum 8 --seq 2048 --vram 24GiB --json");
+  // --json: one object, the fitted run's options and its plan, for scripts; fits false (exit 3)
+  // where nothing fits.
+  const Result json = run_memtune(fits + " --json"), none_json = run_memtune(impossible + " --json");
   ASSERT_EQ(json.exit_code, 0) << json.output;
+  EXPECT_EQ(none_json.exit_code, 3) << none_json.output;
+  EXPECT_FALSE(nlohmann::json::parse(none_json.output)["fits"].get<bool>());
   const nlohmann::json fit = nlohmann::json::parse(json.output);
   EXPECT_TRUE(fit["fits"].get<bool>());
   EXPECT_EQ(fit["units"], "bytes");
   EXPECT_NE(fit["options"].get<std::string>().find("--per_device_train_batch_size"), std::string::npos);
   EXPECT_LE(fit["with_context_bytes"].get<uint64_t>(), fit["budget_bytes"].get<uint64_t>());
   EXPECT_EQ(fit["plan"]["peak_bytes"], fit["planned_bytes"]);
-  const Result none_json = run_memtune("fit --model llama-3.1-70b --seq 2048 --vram 8GiB --json");
-  EXPECT_EQ(none_json.exit_code, 3) << none_json.output;
-  EXPECT_FALSE(nlohmann::json::parse(none_json.output)["fits"].get<bool>());
 }
 
 TEST(CliEval, ReproducesTheLossOfTransformersAndPeft) {
