@@ -45,7 +45,10 @@ std::vector<Projection> LoraConfig::parse_targets(const std::string& text) {
 
 std::string LoraConfig::targets_string() const {
   std::string out;
-  for (Projection p : targets) out += (out.empty() ? "" : ",") + std::string(projection_name(p));
+  for (Projection p : targets) {
+    if (!out.empty()) out += ',';
+    out += projection_name(p);
+  }
   return out;
 }
 
