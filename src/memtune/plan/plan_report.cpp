@@ -3,7 +3,6 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-
 #include <functional>
 
 #include "memtune/core/bytes.h"

@@ -99,15 +99,15 @@ constexpr EnumName<DType> kTorchDTypeNames[] = {{DType::f32, "float32"}, {DType:
 
 std::string_view torch_dtype_name(DType dtype) { return name_of(kTorchDTypeNames, dtype); }
 
+// torch's short aliases (torch.float is torch.float32, ...): read, never written.
+constexpr EnumName<DType> kTorchDTypeAliases[] = {{DType::f32, "float"}, {DType::f16, "half"}, {DType::i32, "int"}};
+
 bool dtype_from_torch_name(std::string_view name, DType* out) {
   if (name.starts_with("torch.")) name.remove_prefix(6);
-  if (name == "float32" || name == "float") *out = DType::f32;
-  else if (name == "float16" || name == "half") *out = DType::f16;
-  else if (name == "bfloat16") *out = DType::bf16;
-  else if (name == "uint8") *out = DType::u8;
-  else if (name == "int32" || name == "int") *out = DType::i32;
-  else return false;
-  return true;
+  std::optional<DType> dtype = value_of(kTorchDTypeNames, name);
+  if (!dtype) dtype = value_of(kTorchDTypeAliases, name);
+  if (dtype) *out = *dtype;
+  return dtype.has_value();
 }
 
 std::string bnb_quant_state_json(const QuantizedWeight& weight) {
