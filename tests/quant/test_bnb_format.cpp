@@ -273,3 +273,24 @@ TEST(QuantBnbFormat, QuantizationConfigDefaultsAndErrors) {
             std::string::npos);
   EXPECT_THROW(quantization_config_json(QuantConfig{}, DType::u8), Error);
 }
+
+// torch dtype names as bitsandbytes' quant_state and config.json's torch_dtype hold them: the
+// names torch_dtype_name writes, with or without "torch.", and torch's short aliases.
+TEST(BnbFormat, TorchDtypeNamesReadBackWithTheirAliases) {
+  for (DType dtype : {DType::f32, DType::f16, DType::bf16, DType::u8, DType::i32}) {
+    DType read = DType::u8;
+    ASSERT_TRUE(dtype_from_torch_name(torch_dtype_name(dtype), &read)) << torch_dtype_name(dtype);
+    EXPECT_EQ(read, dtype);
+    ASSERT_TRUE(dtype_from_torch_name("torch." + std::string(torch_dtype_name(dtype)), &read));
+    EXPECT_EQ(read, dtype);
+  }
+  const std::pair<const char*, DType> aliases[] = {{"float", DType::f32}, {"torch.half", DType::f16}, {"int", DType::i32}};
+  for (const auto& [name, dtype] : aliases) {
+    DType read = DType::u8;
+    ASSERT_TRUE(dtype_from_torch_name(name, &read)) << name;
+    EXPECT_EQ(read, dtype) << name;
+  }
+  DType untouched = DType::bf16;
+  EXPECT_FALSE(dtype_from_torch_name("float64", &untouched));
+  EXPECT_EQ(untouched, DType::bf16);
+}
