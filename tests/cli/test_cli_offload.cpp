@@ -21,7 +21,8 @@ const char* kFullStack8b =
 nlohmann::json plan_json_of(const std::string& args) {
   const Result r = run_memtune("plan --json " + args);
   EXPECT_EQ(r.exit_code, 0) << r.output;
-  return nlohmann::json::parse(r.output);
+  // Past the model's positions a warning line comes first.
+  return nlohmann::json::parse(r.output.substr(std::min(r.output.find('{'), r.output.size())));
 }
 
 TEST(CliOffload, NeedsGradientCheckpointing) {
@@ -66,7 +67,8 @@ TEST(CliFit, MaxContextWithAndWithoutOffload) {
   const std::string stack = "--model tiny --load_in_4bit --bf16 --gradient_checkpointing --attn_implementation flash "
                             "--loss_implementation chunked --batch 1";
   const uint64_t budget = plan_json_of(stack + " --seq 1024")["peak_bytes"].get<uint64_t>();
-  const Result r = run_memtune(fmt::format("fit --model tiny --vram {} --context 0 --max-context --json", budget));
+  const Result r = run_memtune(fmt::format("fit --model tiny --vram {} --context 0 --max-context --json "
+                                           "--host_memory none", budget));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const nlohmann::json fit = nlohmann::json::parse(r.output);
   const int64_t without = fit["without_offload"]["seq"].get<int64_t>();
@@ -88,6 +90,42 @@ TEST(CliFit, MaxContextWithAndWithoutOffload) {
   EXPECT_NE(none.exit_code, 0);
   EXPECT_NE(none.output.find("nothing fits"), std::string::npos) << none.output;
   EXPECT_NE(none.output.find("no context of 256 tokens"), std::string::npos) << none.output;
+}
+
+// Offloaded activations live in pinned host memory: under --host_memory the longest context with
+// offload is the longest whose pinned bytes fit it too, and the answer says that the host, not the
+// device, stopped it. Without offload the host limit changes nothing here.
+TEST(CliFit, MaxContextWithOffloadStaysInsideTheHostMemory) {
+  const std::string fit = "fit --model tiny --vram 8GiB --context 0 --max-context --json";
+  const Result unlimited = run_memtune(fit + " --host_memory none");
+  ASSERT_EQ(unlimited.exit_code, 0) << unlimited.output;
+  const nlohmann::json free_host = nlohmann::json::parse(unlimited.output);
+  const uint64_t host_budget = free_host["with_offload"]["host_bytes"].get<uint64_t>() / 2;
+  ASSERT_GT(host_budget, 0u);
+  EXPECT_EQ(free_host["host_budget_bytes"], 0);
+  EXPECT_EQ(free_host["with_offload"]["limited_by_host"], false);
+
+  const Result limited = run_memtune(fit + fmt::format(" --host_memory {}", host_budget));
+  ASSERT_EQ(limited.exit_code, 0) << limited.output;
+  const nlohmann::json half = nlohmann::json::parse(limited.output);
+  EXPECT_EQ(half["host_budget_bytes"], host_budget);
+  EXPECT_LT(half["with_offload"]["seq"].get<int64_t>(), free_host["with_offload"]["seq"].get<int64_t>());
+  EXPECT_GT(half["with_offload"]["seq"].get<int64_t>(), 0);
+  EXPECT_LE(half["with_offload"]["host_bytes"].get<uint64_t>(), host_budget);
+  EXPECT_EQ(half["with_offload"]["limited_by_host"], true);
+  EXPECT_EQ(half["without_offload"]["seq"], free_host["without_offload"]["seq"]);
+  // One more step of tokens with offload takes more pinned memory than the budget.
+  const nlohmann::json longer = plan_json_of(
+      "--model tiny --load_in_4bit --bf16 --gradient_checkpointing --attn_implementation flash --loss_implementation "
+      "chunked --mlp_chunk_tokens 1024 --batch 1 --offload_activations" +
+      fmt::format(" --seq {}", half["with_offload"]["seq"].get<int64_t>() + 256));
+  EXPECT_GT(longer["host_bytes"].get<uint64_t>(), host_budget) << longer.dump();
+  const Result text = run_memtune(fmt::format("fit --model tiny --vram 8GiB --context 0 --max-context --host_memory {}",
+                                              host_budget));
+  EXPECT_NE(text.output.find("host memory, not the device, limits it"), std::string::npos) << text.output;
+  // A budget that is not a size is refused.
+  const Result bad = run_memtune("fit --model tiny --vram 8GiB --max-context --host_memory lots");
+  EXPECT_NE(bad.exit_code, 0);
 }
 
 // In a ladder, --offload_activations applies to the rungs that checkpoint, not to the baseline

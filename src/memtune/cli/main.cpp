@@ -12,6 +12,7 @@
 #include <optional>
 #include <set>
 
+#include "memtune/cli/output_commands.h"
 #include "memtune/cli/run_options.h"
 #include "memtune/core/bytes.h"
 #include "memtune/data/jsonl_dataset.h"
@@ -21,6 +22,7 @@
 #include "memtune/parallel/launch_env.h"
 #include "memtune/io/file_util.h"
 #include "memtune/io/json_util.h"
+#include "memtune/lora/merge.h"  // quantize
 #include "memtune/model/llama_config.h"
 #include "memtune/ops/device.h"
 #include "memtune/ops/timed_backend.h"
@@ -34,12 +36,6 @@
 #include "memtune/train/output_dir.h"
 #include "memtune/train/trainer.h"
 #include "memtune/train/yaml_config.h"
-// merge, generate, logits
-#include "memtune/data/chat_template.h"
-#include "memtune/io/safetensors.h"
-#include "memtune/lora/merge.h"
-#include "memtune/quant/bnb_format.h"
-#include "memtune/step/llama_generate.h"
 
 
 namespace memtune {
@@ -87,27 +83,26 @@ void check_budget(const Plan& plan, const RunConfig& run, const LlamaConfig& mod
   mt_fail("run does not fit --vram {}: {}", vram, fit_advice(run, model, budget, context, plan.target));
 }
 
-// The machine's available memory (MemAvailable of /proc/meminfo), 0 when it cannot be read.
-uint64_t host_memory_available() {
-  std::ifstream meminfo("/proc/meminfo");
-  for (std::string line; std::getline(meminfo, line);) {
-    unsigned long long kib = 0;
-    if (std::sscanf(line.c_str(), "MemAvailable: %llu kB", &kib) == 1) return static_cast<uint64_t>(kib) * 1024;
-  }
-  return 0;
-}
-
 // On the CPU the arena is host memory: a run larger than the machine is refused before it
-// allocates, as --vram refuses one on the GPU, instead of failing inside the allocator.
+// allocates, as --vram refuses one on the GPU, instead of failing inside the allocator. On the GPU
+// the pinned host memory of offload (activations, embeddings) is checked the same way: pinned
+// pages cannot be swapped, so an oversized run would otherwise end in the kernel's OOM killer.
 void check_host_memory(const Plan& plan, Device device) {
-  if (device != Device::cpu) return;
   const uint64_t available = host_memory_available();
-  const uint64_t needed = plan.arena_bytes + plan.host_bytes;
-  MT_USER_CHECK(available == 0 || needed <= available,
-                "the run needs {} of host memory (its planned arena on the CPU), the machine has {} available "
-                "(MemAvailable); use a smaller model, --bf16, --load_in_4bit, --gradient_checkpointing or a shorter "
-                "--max_seq_length (memtune plan --device cpu shows the plan)",
-                format_bytes(needed), format_bytes(available));
+  if (device == Device::cpu) {
+    const uint64_t needed = plan.arena_bytes + plan.host_bytes;
+    MT_USER_CHECK(available == 0 || needed <= available,
+                  "the run needs {} of host memory (its planned arena on the CPU), the machine has {} available "
+                  "(MemAvailable); use a smaller model, --bf16, --load_in_4bit, --gradient_checkpointing or a shorter "
+                  "--max_seq_length (memtune plan --device cpu shows the plan)",
+                  format_bytes(needed), format_bytes(available));
+    return;
+  }
+  MT_USER_CHECK(available == 0 || plan.host_bytes <= available,
+                "the run pins {} of host memory (--offload_activations, --offload_embeddings), the machine has {} "
+                "available (MemAvailable); use a shorter --max_seq_length or a smaller micro-batch (memtune fit "
+                "--max-context finds the longest length that fits the GPU and this host)",
+                format_bytes(plan.host_bytes), format_bytes(available));
 }
 
 // Levenshtein distance: how far a mistyped option is from each real one.
@@ -180,182 +175,6 @@ int exit_for_parse_error(CLI::App& app, const CLI::ParseError& error, int argc, 
   return 2;
 }
 
-// ---- merge, generate, logits: what a trained adapter is for --------------------------------------
-struct OutputCommandOptions {
-  std::string model = "tiny", adapter, out, dtype = "auto", max_shard_size = "5GB";
-  std::string prompt, input_ids, system, tokenizer, device = "auto";
-  bool chat = false, json = false, load_in_4bit = false;
-  int64_t max_new_tokens = 128;
-  double temperature = 0.0, top_p = 1.0;
-  uint64_t seed = 42;
-};
-
-// "1,2,3", "1 2 3" or "[1, 2, 3]".
-std::vector<int32_t> parse_token_ids(const std::string& text) {
-  std::vector<int32_t> ids;
-  std::string digits;
-  const auto flush = [&] {
-    if (digits.empty()) return;
-    const long long value = std::stoll(digits);
-    MT_USER_CHECK(value >= 0 && value <= INT32_MAX, "--input-ids: {} is not a token id", digits);
-    ids.push_back(static_cast<int32_t>(value));
-    digits.clear();
-  };
-  for (char c : text) {
-    if (c >= '0' && c <= '9') digits += c;
-    else if (c == ',' || c == ' ' || c == '[' || c == ']' || c == '\n' || c == '\t') flush();
-    else mt_fail("--input-ids: unexpected '{}' in \"{}\" (expected ids such as 1,2,3)", c, text);
-  }
-  flush();
-  return ids;
-}
-
-// --tokenizer, else the model folder's tokenizer.json, else the built-in byte tokenizer.
-Tokenizer output_tokenizer(const OutputCommandOptions& o, const ModelSource& source) {
-  if (!o.tokenizer.empty()) return Tokenizer::from_file(o.tokenizer);
-  if (!source.checkpoint_dir.empty() && std::filesystem::is_regular_file(source.checkpoint_dir / "tokenizer.json"))
-    return Tokenizer::from_file(source.checkpoint_dir / "tokenizer.json");
-  return Tokenizer::byte_level();
-}
-
-// --input-ids as given; else the prompt, as transformers' tokenizer(prompt) encodes it (with
-// <|begin_of_text|>) or, with --chat, the tokenizer's chat format (Llama 3, Qwen's ChatML,
-// Mistral's [INST]: data/chat_template.h) with the generation prompt.
-std::vector<int32_t> output_prompt_ids(const OutputCommandOptions& o, const Tokenizer& tokenizer) {
-  MT_USER_CHECK(o.prompt.empty() != o.input_ids.empty(), "give exactly one of --prompt and --input-ids");
-  if (!o.input_ids.empty()) return parse_token_ids(o.input_ids);
-  if (!o.chat) return tokenizer.encode(o.prompt);
-  std::vector<ChatMessage> messages;
-  if (!o.system.empty()) messages.push_back({"system", o.system});
-  messages.push_back({"user", o.prompt});
-  return tokenizer.encode_plain(apply_chat_template(chat_format_of(tokenizer), messages, /*add_generation_prompt=*/true));
-}
-
-// --dtype, else the config's torch_dtype / dtype (as transformers' dtype="auto"), else f32.
-DType output_compute_dtype(const OutputCommandOptions& o, const LlamaConfig& config) {
-  if (o.dtype != "auto") return parse_float_dtype(o.dtype, "--dtype");
-  DType dtype = DType::f32;
-  if (dtype_from_torch_name(config.torch_dtype, &dtype) && dtype_is_float(dtype)) return dtype;
-  return DType::f32;
-}
-
-InferenceSetup output_inference_setup(const OutputCommandOptions& o, const ModelSource& source) {
-  InferenceSetup setup;
-  setup.checkpoint_dir = source.checkpoint_dir;
-  setup.adapter_dir = o.adapter;
-  setup.compute_dtype = output_compute_dtype(o, source.config);
-  if (o.load_in_4bit) setup.load_in_4bit = QuantConfig{};  // nf4, blocksize 64, double quant
-  // A bitsandbytes 4-bit folder stays in 4 bits with its own settings, as transformers loads it
-  // (from_pretrained of such a folder gives the 4-bit model without a quantization argument).
-  if (!source.checkpoint_dir.empty() && std::filesystem::is_regular_file(source.checkpoint_dir / "config.json")) {
-    const nlohmann::json config_json = read_json_file(source.checkpoint_dir / "config.json");
-    if (config_json.contains("quantization_config")) {
-      QuantConfig quant = parse_quantization_config_json(config_json["quantization_config"]).quant;
-      // quantization_config has no blocksize: each weight's quant_state holds it. The first
-      // 4-bit weight gives it (upload_quantized checks every other weight against it).
-      const BaseCheckpoint base(source.checkpoint_dir, source.config);
-      for (size_t i = 0; i < base.table().size(); ++i) {
-        if (!base.is_4bit(i)) continue;
-        const QuantConfig stored = base.read_4bit(i).config;
-        quant.blocksize = stored.blocksize;
-        quant.nested_blocksize = stored.nested_blocksize;
-        break;
-      }
-      setup.load_in_4bit = quant;
-    }
-  }
-  setup.seed = o.seed;
-  return setup;
-}
-
-// Decoded text, with ids that the tokenizer does not know (a model vocabulary larger than the
-// tokenizer's, as the toy models have) shown as <id>.
-std::string output_text(const Tokenizer& tokenizer, std::span<const int32_t> ids) {
-  std::string text;
-  std::vector<int32_t> known;
-  const auto flush = [&] {
-    text += tokenizer.decode(known, /*skip_special_tokens=*/true);
-    known.clear();
-  };
-  for (int32_t id : ids) {
-    if (id < tokenizer.vocab_size()) {
-      known.push_back(id);
-    } else {
-      flush();
-      text += fmt::format("<{}>", id);
-    }
-  }
-  flush();
-  return text;
-}
-
-int run_merge(const OutputCommandOptions& o) {
-  MergeOptions options;
-  if (o.dtype != "auto") options.dtype = parse_float_dtype(o.dtype, "--dtype");
-  options.max_shard_bytes = parse_bytes(o.max_shard_size);
-  MT_USER_CHECK(options.max_shard_bytes > 0, "--max_shard_size must be positive");
-  const MergeReport report = merge_adapter(o.model, o.adapter, o.out, options);
-  std::cout << fmt::format("wrote {}: {} merged projections, {}, {} weight file(s){}\n", o.out,
-                           report.merged_projections, torch_dtype_name(report.dtype), report.weight_files.size(),
-                           report.dequantized_4bit ? "; the 4-bit base was dequantized" : "");
-  return 0;
-}
-
-int run_generate(const OutputCommandOptions& o) {
-  const ModelSource source = resolve_model(o.model);
-  const Tokenizer tokenizer = output_tokenizer(o, source);
-  const std::vector<int32_t> prompt = output_prompt_ids(o, tokenizer);
-  MT_USER_CHECK(!prompt.empty(), "the prompt encodes to no tokens");
-  MT_USER_CHECK(o.max_new_tokens > 0, "--max_new_tokens must be positive");
-  std::unique_ptr<Backend> backend = make_backend(o.device);
-  InferenceSetup setup = output_inference_setup(o, source);
-  setup.generator.capacity = static_cast<int64_t>(prompt.size()) + o.max_new_tokens;
-  // Longer prompts are prefilled in chunks (the later ones through the decode path).
-  setup.generator.max_chunk = std::min<int64_t>(static_cast<int64_t>(prompt.size()), 4096);
-  InferenceModel model(*backend, source.config, setup);
-  SamplingOptions sampling;
-  sampling.max_new_tokens = o.max_new_tokens;
-  sampling.temperature = o.temperature;
-  sampling.top_p = o.top_p;
-  sampling.seed = o.seed;
-  sampling.stop_ids = stop_token_ids(source.config, source.checkpoint_dir);
-  // A chat turn ends with <|eot_id|> (Llama 3 Instruct's generation_config lists it too).
-  if (o.chat && tokenizer.eot_id() < source.config.vocab_size) sampling.stop_ids.push_back(tokenizer.eot_id());
-  const GenerationResult result = generate_tokens(model.generator(), prompt, sampling, [&](int32_t token) {
-    if (o.json) return;
-    std::cout << output_text(tokenizer, std::span<const int32_t>(&token, 1)) << std::flush;
-  });
-  if (o.json) {
-    const nlohmann::json line = {{"prompt_ids", prompt}, {"output_ids", result.tokens},
-                                 {"text", output_text(tokenizer, result.tokens)}, {"stop_reason", result.stop_reason}};
-    // A token may end inside a UTF-8 character: such bytes are written as U+FFFD.
-    std::cout << line.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
-  } else {
-    std::cout << "\n";
-  }
-  return 0;
-}
-
-int run_logits(const OutputCommandOptions& o) {
-  const ModelSource source = resolve_model(o.model);
-  const Tokenizer tokenizer = output_tokenizer(o, source);
-  const std::vector<int32_t> ids = output_prompt_ids(o, tokenizer);
-  MT_USER_CHECK(!ids.empty(), "no input tokens");
-  std::unique_ptr<Backend> backend = make_backend(o.device);
-  InferenceSetup setup = output_inference_setup(o, source);
-  setup.generator.capacity = setup.generator.max_chunk = static_cast<int64_t>(ids.size());
-  setup.generator.all_logits = true;
-  InferenceModel model(*backend, source.config, setup);
-  const std::vector<float> logits = model.generator().forward(ids, /*all_positions=*/true);
-  const int64_t tokens = static_cast<int64_t>(ids.size());
-  const std::vector<SafetensorsWriteEntry> entries = {
-      {"logits", DType::f32, Shape{tokens, source.config.vocab_size}, logits.data()},
-      {"input_ids", DType::i32, Shape{tokens}, ids.data()}};
-  write_safetensors(o.out, entries, {{"format", "pt"}});
-  std::cout << nlohmann::json{{"out", o.out}, {"tokens", tokens}, {"vocab", source.config.vocab_size}}.dump() << "\n";
-  return 0;
-}
-// ---- end merge, generate, logits ----
 
 int run_cli(int argc, char** argv) {
   CLI::App app{"memtune: LoRA/QLoRA fine-tuning for Llama that plans every byte"};
@@ -454,6 +273,10 @@ int run_cli(int argc, char** argv) {
   bool max_context = false;
   fit_cmd->add_flag("--max-context,--max_context", max_context,
                     "report the longest max_seq_length at micro-batch 1 that fits, with the full memory stack, with and without --offload_activations");
+  std::string host_memory = "auto";
+  fit_cmd->add_option("--host_memory,--host-memory", host_memory,
+                      "--max-context: pinned host memory that offload may take: auto (this machine's MemAvailable), "
+                      "none (no limit) or a size, e.g. 64GiB")->capture_default_str();
 
   CLI::App* ladder_cmd = app.add_subcommand("ladder", "the memory ladder: apply memory techniques one at a time");
   add_run_options(*ladder_cmd, run, flags);
@@ -681,13 +504,19 @@ int run_cli(int argc, char** argv) {
   }
 
   if (fit_cmd->parsed() && max_context) {
-    const MaxContextReport report = max_context_report(run, model, parse_bytes(vram), parse_bytes(context));
+    const uint64_t host_budget = host_memory == "auto" ? host_memory_available()
+                                 : host_memory == "none" ? 0 : parse_bytes(host_memory);
+    MT_USER_CHECK(host_memory == "none" || host_memory == "auto" || host_budget > 0,
+                  "--host_memory {}: expected auto, none or a positive size such as 64GiB", host_memory);
+    const MaxContextReport report = max_context_report(run, model, parse_bytes(vram), parse_bytes(context), host_budget);
     if (json) {
       nlohmann::json out = nlohmann::json::object();
       for (const MaxContextResult* r : {&report.without_offload, &report.with_offload})
         out[r->offload_activations ? "with_offload" : "without_offload"] = {
             {"seq", r->seq}, {"planned_bytes", r->planned_bytes}, {"host_bytes", r->host_bytes},
-            {"at_search_limit", r->at_search_limit}, {"past_model_limit", r->past_model_limit}};
+            {"at_search_limit", r->at_search_limit}, {"past_model_limit", r->past_model_limit},
+            {"limited_by_host", r->limited_by_host}};
+      out["host_budget_bytes"] = host_budget;
       out["model_max_position_embeddings"] = model.max_position_embeddings;
       out["budget_bytes"] = parse_bytes(vram);
       out["context_bytes"] = parse_bytes(context);

@@ -7,7 +7,9 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <system_error>
 #include <utility>
 
@@ -16,6 +18,15 @@
 namespace memtune {
 
 std::string system_error_text(int errnum) { return std::generic_category().message(errnum); }
+
+uint64_t host_memory_available() {
+  std::ifstream meminfo("/proc/meminfo");
+  for (std::string line; std::getline(meminfo, line);) {
+    unsigned long long kib = 0;
+    if (std::sscanf(line.c_str(), "MemAvailable: %llu kB", &kib) == 1) return static_cast<uint64_t>(kib) * 1024;
+  }
+  return 0;
+}
 
 void StringSink::write(const void* data, size_t size) {
   if (size > 0) bytes_.append(static_cast<const char*>(data), size);

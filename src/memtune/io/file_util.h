@@ -93,4 +93,7 @@ class MappedFile {
 // strerror(errnum) as a std::string, thread-safe.
 std::string system_error_text(int errnum);
 
+// The machine's available memory (MemAvailable of /proc/meminfo), 0 when it cannot be read.
+uint64_t host_memory_available();
+
 }  // namespace memtune

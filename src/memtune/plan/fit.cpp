@@ -133,7 +133,7 @@ RunConfig max_context_stack(const RunConfig& base, bool offload_activations) {
 }
 
 MaxContextResult max_context(const RunConfig& base, const LlamaConfig& model, uint64_t budget,
-                             uint64_t context, bool offload_activations) {
+                             uint64_t context, bool offload_activations, uint64_t host_budget) {
   RunConfig run = max_context_stack(base, offload_activations);
   MaxContextResult result;
   result.offload_activations = offload_activations;
@@ -146,6 +146,7 @@ MaxContextResult max_context(const RunConfig& base, const LlamaConfig& model, ui
     run.max_seq_length = steps * kContextStep;
     const Plan plan = plan_run(run, model);
     if (plan.arena_bytes + context > budget) return false;
+    if (host_budget > 0 && plan.host_bytes > host_budget) return false;
     if (run.max_seq_length > result.seq) {
       result.seq = run.max_seq_length;
       result.past_model_limit = model.max_position_embeddings > 0 && result.seq > model.max_position_embeddings;
@@ -170,32 +171,40 @@ MaxContextResult max_context(const RunConfig& base, const LlamaConfig& model, ui
     if (fits_at(mid)) low = mid;
     else high = mid;
   }
+  // What stops it: the first length past the result, planned once more.
+  if (host_budget > 0 && high <= limit_steps) {
+    run.max_seq_length = high * kContextStep;
+    const Plan plan = plan_run(run, model);
+    result.limited_by_host = plan.arena_bytes + context <= budget && plan.host_bytes > host_budget;
+  }
   return result;
 }
 
 MaxContextReport max_context_report(const RunConfig& base, const LlamaConfig& model, uint64_t budget,
-                                    uint64_t context) {
+                                    uint64_t context, uint64_t host_budget) {
   MaxContextReport report;
-  report.without_offload = max_context(base, model, budget, context, false);
-  report.with_offload = max_context(base, model, budget, context, true);
+  report.without_offload = max_context(base, model, budget, context, false, host_budget);
+  report.with_offload = max_context(base, model, budget, context, true, host_budget);
   const RunConfig stack = max_context_stack(base, false);
   report.text = fmt::format(
       "longest context at micro-batch 1 in {} ({} of it CUDA context), from the plan: {} + {} attention + "
       "chunked loss + gradient checkpointing + QLoRA ({}), token chunks of {}, LoRA r{}; searched in "
-      "steps of {} tokens up to {} (the model's max_position_embeddings: {}):\n",
+      "steps of {} tokens up to {} (the model's max_position_embeddings: {}){}:\n",
       format_bytes(budget), format_bytes(context), precision_name(stack.precision), stack.attn_implementation,
       quant_type_name(stack.quant.type), stack.mlp_chunk_tokens, stack.lora_r, kContextStep,
-      RunConfig::kMaxSeqLength, model.max_position_embeddings);
+      RunConfig::kMaxSeqLength, model.max_position_embeddings,
+      host_budget > 0 ? fmt::format(", pinned host memory up to {}", format_bytes(host_budget)) : "");
   for (const MaxContextResult* r : {&report.without_offload, &report.with_offload}) {
     const char* name = r->offload_activations ? "with --offload_activations" : "without offload";
     if (r->seq == 0) {
       report.text += fmt::format("  {:<28} nothing fits (not even {} tokens)\n", name, kContextStep);
       continue;
     }
-    report.text += fmt::format("  {:<28} {:>8} tokens: device {} (arena {} + context){}{}{}\n", name, r->seq,
+    report.text += fmt::format("  {:<28} {:>8} tokens: device {} (arena {} + context){}{}{}{}\n", name, r->seq,
                                format_bytes(r->planned_bytes + context), format_bytes(r->planned_bytes),
                                r->offload_activations ? fmt::format(", pinned host {}", format_bytes(r->host_bytes)) : "",
                                r->at_search_limit ? "; the search's limit, not memory" : "",
+                               r->limited_by_host ? "; host memory, not the device, limits it" : "",
                                r->past_model_limit ? "; past max_position_embeddings (warning: positions the "
                                                      "model was not trained at)" : "");
   }

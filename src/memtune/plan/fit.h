@@ -37,7 +37,8 @@ bool fit_token_chunks(RunConfig& run, const LlamaConfig& model, uint64_t budget_
 // checkpointing, the 4-bit base, token chunks; the rest (LoRA, chunk sizes, quantization) from
 // `base`. Searched in steps of kContextStep tokens up to RunConfig::kMaxSeqLength: past the
 // model's max_position_embeddings a run goes on with a warning, as transformers does, and the
-// result says so (past_model_limit).
+// result says so (past_model_limit). host_budget_bytes (0: no limit) bounds the pinned host memory
+// that offload takes: a length whose offloaded activations do not fit this host does not fit.
 constexpr int64_t kContextStep = 256;
 RunConfig max_context_stack(const RunConfig& base, bool offload_activations);
 struct MaxContextResult {
@@ -47,9 +48,10 @@ struct MaxContextResult {
   uint64_t host_bytes = 0;       // pinned host memory at that seq (offload)
   bool at_search_limit = false;  // RunConfig::kMaxSeqLength fits: it, not memory, limits
   bool past_model_limit = false; // seq is past the model's max_position_embeddings
+  bool limited_by_host = false;  // the next length fits the device but not host_budget_bytes
 };
 MaxContextResult max_context(const RunConfig& base, const LlamaConfig& model, uint64_t budget_bytes,
-                             uint64_t context_bytes, bool offload_activations);
+                             uint64_t context_bytes, bool offload_activations, uint64_t host_budget_bytes = 0);
 // Both searches (without and with offload) as a table; fits is false when neither fits at all.
 struct MaxContextReport {
   MaxContextResult without_offload, with_offload;
@@ -57,7 +59,7 @@ struct MaxContextReport {
   bool fits() const { return without_offload.seq > 0 || with_offload.seq > 0; }
 };
 MaxContextReport max_context_report(const RunConfig& base, const LlamaConfig& model,
-                                    uint64_t budget_bytes, uint64_t context_bytes);
+                                    uint64_t budget_bytes, uint64_t context_bytes, uint64_t host_budget_bytes = 0);
 // ---- end fit --max-context ----
 
 }  // namespace memtune
