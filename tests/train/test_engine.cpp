@@ -37,6 +37,14 @@ StepResult one_step(const RunConfig& run, const LlamaConfig& model) {
   return {report.loss, grads};
 }
 
+// One step of `run` with a switch that must not change the math off, then on: {off, on}.
+std::pair<StepResult, StepResult> step_without_and_with(RunConfig run, bool RunConfig::*option, const LlamaConfig& model) {
+  run.*option = false;
+  StepResult without = one_step(run, model);
+  run.*option = true;
+  return {std::move(without), one_step(run, model)};
+}
+
 TEST(Engine, PlannedArenaEqualsAllocatedAndNoLiveBuffersOverlap) {
   const LlamaConfig model = small_model();
   for (bool ckpt : {false, true}) {
@@ -118,14 +126,12 @@ TEST(Engine, StackedLoraGivesThePerProjectionStep) {
           run.precision = precision;
           run.gradient_checkpointing = ckpt;
           run.mlp_chunk_tokens = chunk;
-          run.stacked_lora = false;
-          const StepResult reference = one_step(run, model);
-          run.stacked_lora = true;
-          const StepResult got = one_step(run, model);
+          const auto [reference, got] = step_without_and_with(run, &RunConfig::stacked_lora, model);
           const double tol = precision == Precision::fp32 ? 1e-5 : 2e-2;
           EXPECT_NEAR(got.loss, reference.loss, tol * reference.loss);
           EXPECT_LT(rel_error(got.grads, reference.grads), tol);
           // The stacked path ran where it can: its u^T buffers are in the plan.
+          run.stacked_lora = true;
           const Plan plan = plan_run(run, model, Device::cpu);
           int stacked_buffers = 0;
           for (const AllocationRecord& r : plan.records)
@@ -133,6 +139,14 @@ TEST(Engine, StackedLoraGivesThePerProjectionStep) {
           if (c.stacks) EXPECT_GT(stacked_buffers, 0);
           else EXPECT_EQ(stacked_buffers, 0);
         }
+}
+
+// The QLoRA stack of the small runs: bf16 compute over the 4-bit base.
+RunConfig qlora_small_run() {
+  RunConfig run = small_run();
+  run.precision = Precision::bf16;
+  run.load_in_4bit = true;
+  return run;
 }
 
 // --overlap_dequant: the next projection's 4-bit weight is dequantized ahead (on the CPU in
@@ -146,26 +160,23 @@ TEST(Engine, DequantizingAheadGivesTheSameStepInsideThePlan) {
         for (bool stacked : {true, false}) {
           if ((chunk > 0 || offload) && !ckpt) continue;
           SCOPED_TRACE(fmt::format("ckpt {} chunk {} offload {} stacked {}", ckpt, chunk, offload, stacked));
-          RunConfig run = small_run();
-          run.precision = Precision::bf16;
-          run.load_in_4bit = true;
+          RunConfig run = qlora_small_run();
           run.gradient_checkpointing = ckpt;
           run.mlp_chunk_tokens = chunk;
           run.offload_activations = offload;
           run.stacked_lora = stacked;
-          const StepResult reference = one_step(run, model);
+          const auto [in_order, ahead] = step_without_and_with(run, &RunConfig::overlap_dequant, model);
+          EXPECT_EQ(ahead.loss, in_order.loss);
+          EXPECT_EQ(ahead.grads, in_order.grads);
           run.overlap_dequant = true;
-          const StepResult got = one_step(run, model);
-          EXPECT_EQ(got.loss, reference.loss);
-          EXPECT_EQ(got.grads, reference.grads);
 
           auto cpu = make_cpu_backend();
           PlannedEngine engine(*cpu, run, model);
           expect_step_follows_plan(engine, model, run);
-          int ahead = 0;
+          int planned_ahead = 0;
           for (const AllocationRecord& r : engine.plan().records)
-            if (r.name.find("dequantized_ahead") != std::string::npos) ++ahead;
-          EXPECT_GT(ahead, 0);
+            if (r.name.find("dequantized_ahead") != std::string::npos) ++planned_ahead;
+          EXPECT_GT(planned_ahead, 0);
           // Every visit but a pass's first forward and first backward one fetches ahead; a drop is
           // a visit whose order no earlier visit of the pass had (the last token chunk's rows).
           const int64_t hits = engine->step().dequant_prefetch_hits();
