@@ -173,6 +173,9 @@ TEST(Engine, DequantizingAheadGivesTheSameStepInsideThePlan) {
           auto cpu = make_cpu_backend();
           PlannedEngine engine(*cpu, run, model);
           expect_step_follows_plan(engine, model, run);
+          // Further steps of two micro-batches each: every pass allocates as the planned one.
+          for (int step = 0; step < 2; ++step) engine->train_step(random_batches(model, run, 2, 7 + step));
+          EXPECT_EQ(engine->memory().allocator().high_water(), engine.plan().arena_bytes);
           int planned_ahead = 0;
           for (const AllocationRecord& r : engine.plan().records)
             if (r.name.find("dequantized_ahead") != std::string::npos) ++planned_ahead;
