@@ -335,8 +335,6 @@ timed_train() {
 #                          inputs in pinned host memory (as Unsloth's "unsloth" checkpointing)
 #   lora16, lora16-offload configuration 3: 16-bit LoRA (bf16, ckpt, fused attention, chunked loss,
 #                          host embeddings); + activation offload
-#   qlora-overlap, qlora-offload-overlap  configuration 1 (and with offload) with --overlap_dequant
-#                          true: the A/B against qlora and qlora-offload
 #   qlora-unstacked, lora16-unstacked  configurations 1 and 3 with --stacked_lora false (one LoRA A
 #                          GEMM per projection, not one for q/k/v and one for gate/up), profiled: the
 #                          A/B against qlora and lora16
@@ -359,9 +357,7 @@ if has_part configs; then
                  "data-unpacked|$QLORA $SHAPE2 --merge_micro_batches false" "data-packed|$QLORA $SHAPE2 --packing" \
                  "data-merged|$QLORA $SHAPE2 --merge_micro_batches true" \
                  "qlora-unstacked|$QLORA $SHAPE1 --stacked_lora false --profile" \
-                 "lora16-unstacked|$LORA16 $SHAPE1 --stacked_lora false --profile" \
-                 "qlora-overlap|$QLORA $SHAPE1 --overlap_dequant true" \
-                 "qlora-offload-overlap|$QLORA --offload_activations $SHAPE1 --overlap_dequant true"; do
+                 "lora16-unstacked|$LORA16 $SHAPE1 --stacked_lora false --profile"; do
     name=${variant%%|*}; args=${variant#*|}
     case ",${CONFIGS:-qlora,qlora-offload,lora16,lora16-offload,data-unpacked,data-packed,data-merged,qlora-unstacked,lora16-unstacked}," in *",$name,"*) ;; *) continue;; esac
     # shellcheck disable=SC2086

@@ -141,53 +141,6 @@ TEST(Engine, StackedLoraGivesThePerProjectionStep) {
         }
 }
 
-// The QLoRA stack of the small runs: bf16 compute over the 4-bit base.
-RunConfig qlora_small_run() {
-  RunConfig run = small_run();
-  run.precision = Precision::bf16;
-  run.load_in_4bit = true;
-  return run;
-}
-
-// --overlap_dequant: the next projection's 4-bit weight is dequantized ahead (on the CPU in
-// order, on the GPU on a side stream); the step is the same to the bit, the engine stays inside
-// its plan over several micro-batches and passes, and the weights dequantized ahead are used.
-TEST(Engine, DequantizingAheadGivesTheSameStepInsideThePlan) {
-  const LlamaConfig model = small_model();
-  for (bool ckpt : {false, true})
-    for (int64_t chunk : {0, 7})
-      for (bool offload : {false, true})
-        for (bool stacked : {true, false}) {
-          if ((chunk > 0 || offload) && !ckpt) continue;
-          SCOPED_TRACE(fmt::format("ckpt {} chunk {} offload {} stacked {}", ckpt, chunk, offload, stacked));
-          RunConfig run = qlora_small_run();
-          run.gradient_checkpointing = ckpt;
-          run.mlp_chunk_tokens = chunk;
-          run.offload_activations = offload;
-          run.stacked_lora = stacked;
-          const auto [in_order, ahead] = step_without_and_with(run, &RunConfig::overlap_dequant, model);
-          EXPECT_EQ(ahead.loss, in_order.loss);
-          EXPECT_EQ(ahead.grads, in_order.grads);
-          run.overlap_dequant = true;
-
-          auto cpu = make_cpu_backend();
-          PlannedEngine engine(*cpu, run, model);
-          expect_step_follows_plan(engine, model, run);
-          // Further steps of two micro-batches each: every pass allocates as the planned one.
-          for (int step = 0; step < 2; ++step) engine->train_step(random_batches(model, run, 2, 7 + step));
-          EXPECT_EQ(engine->memory().allocator().high_water(), engine.plan().arena_bytes);
-          int planned_ahead = 0;
-          for (const AllocationRecord& r : engine.plan().records)
-            if (r.name.find("dequantized_ahead") != std::string::npos) ++planned_ahead;
-          EXPECT_GT(planned_ahead, 0);
-          // Every visit but a pass's first forward and first backward one fetches ahead; a drop is
-          // a visit whose order no earlier visit of the pass had (the last token chunk's rows).
-          const int64_t hits = engine->step().dequant_prefetch_hits();
-          const int64_t drops = engine->step().dequant_prefetch_drops();
-          EXPECT_GT(hits, 4 * drops) << hits << " hits, " << drops << " drops";
-        }
-}
-
 // LoraState lays the A of q/k/v and of gate/up end to end (masters, compute copies, grads)
 // where every member has an adapter, and leaves a partial group (here q and v) apart.
 TEST(Engine, LoraStateStacksTheAOfProjectionsThatShareAnInput) {

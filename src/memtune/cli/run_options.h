@@ -35,7 +35,6 @@ inline void add_run_options(CLI::App& app, RunConfig& run, RunFlags& flags) {
   app.add_option("--lora_dropout", run.lora_dropout, "LoRA dropout")->capture_default_str();
   app.add_flag("--use_rslora", run.use_rslora, "scale by alpha/sqrt(r)");
   app.add_option("--lora_target_modules", run.lora_target_modules, "all-linear or q_proj,k_proj,...")->capture_default_str();
-  app.add_option("--overlap_dequant", run.overlap_dequant, "QLoRA: dequantize the next projection's weight on a side stream while the current one's GEMMs run (same math, one more dequantized weight in memory)")->capture_default_str();
   app.add_option("--stacked_lora", run.stacked_lora, "one LoRA A GEMM for q/k/v and one for gate/up (same math, measured faster); false: one per projection")->capture_default_str();
   app.add_option("--learning_rate,--lr", run.learning_rate)->capture_default_str();
   app.add_option("--weight_decay", run.weight_decay)->capture_default_str();

@@ -318,13 +318,6 @@ class Backend {
   // The default copies to the host and uses the reference (quant/nf4.h); device backends may
   // override it with a kernel.
   virtual void dequantize_4bit(const Tensor& out, const Quantized4bit& q);
-  // The same on a side stream beside the compute stream, so that the next projection's weight is
-  // dequantized while the current GEMM runs (--overlap_dequant). The ordering is the offload
-  // copies' (above): it begins after all work issued to the compute stream before it and records
-  // `done`; compute_wait(done) before anything reads `out`. The default is synchronous.
-  virtual void dequantize_4bit_async(const Tensor& out, const Quantized4bit& q, CopyEvent /*done*/) {
-    dequantize_4bit(out, q);
-  }
   // ---- QLoRA: quantize on the device (quant4bit) ----
   // Quantizes `dense` (f32/f16/bf16, numel of q.shape, on this backend's device) into q's
   // tensors as allocated by ModelWeights (packed, absmax or absmax codes + nested_absmax,

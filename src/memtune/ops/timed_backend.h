@@ -68,10 +68,6 @@ class TimedBackend final : public Backend {
     inner_.copy_from_host_async(dst, host_src, done);
   }
   void compute_wait(CopyEvent done) override { inner_.compute_wait(done); }
-  // Not timed either, for the same reason; the profile's dequantize_4bit counts the synchronous ones.
-  void dequantize_4bit_async(const Tensor& out, const Quantized4bit& q, CopyEvent done) override {
-    inner_.dequantize_4bit_async(out, q, done);
-  }
 
   void fill(const Tensor& dst, float value) override;
   void convert(const Tensor& dst, const Tensor& src) override;

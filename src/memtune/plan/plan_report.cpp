@@ -30,7 +30,6 @@ nlohmann::json run_config_json(const RunConfig& run, const LlamaConfig& model) {
           {"use_rslora", run.use_rslora},
           {"lora_target_modules", run.lora_target_modules},
           {"stacked_lora", run.stacked_lora},
-          {"overlap_dequant", run.overlap_dequant},
           {"learning_rate", run.learning_rate},
           {"max_steps", run.max_steps},
           {"seed", run.seed}};

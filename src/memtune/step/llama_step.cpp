@@ -101,14 +101,9 @@ LlamaStep::LlamaStep(Backend& backend, Memory& memory, const LlamaConfig& config
       slot_copied_in_[i] = backend_.create_event();
     }
   }
-  if (options_.overlap_dequant) prefetch_done_ = backend_.create_event();
 }
 
 LlamaStep::~LlamaStep() {
-  if (options_.overlap_dequant) {
-    backend_.synchronize();  // no dequantization may still write into the arena
-    backend_.destroy_event(prefetch_done_);
-  }
   if (!options_.offload_activations) return;
   backend_.synchronize();  // no copy may still touch the host memory
   for (int i = 0; i < kOffloadSlots; ++i) {
@@ -240,20 +235,16 @@ void LlamaStep::free_layer(LayerState& state, bool keep_input) {
 
 void LlamaStep::begin_base_pass(bool with_backward) {
   if (base_units_ != nullptr) base_units_->begin_pass(with_backward);
-  known_visits_.clear();
 }
 
 void LlamaStep::acquire_unit(int unit) {
   MT_ASSERT(held_unit_ == kNoUnit, "acquiring base unit {} while {} is held", unit, held_unit_);
   held_unit_ = unit;
   if (base_units_ != nullptr) base_units_->acquire(unit);
-  visit_fetches_.clear();
 }
 
 void LlamaStep::release_unit(int unit) {
   MT_ASSERT(held_unit_ == unit, "releasing base unit {} while {} is held", unit, held_unit_);
-  drop_prefetched_weight();  // predicted, not fetched: the visit ended first
-  remember_visit();
   held_unit_ = kNoUnit;
   if (base_units_ != nullptr) base_units_->release(unit);
 }
@@ -267,60 +258,11 @@ Tensor LlamaStep::frozen_weight(int layer, Projection p) {
   const LayerWeights& lw = layer_weights(layer);
   const Quantized4bit& q = lw.quantized[static_cast<int>(p)];
   if (q.empty()) return lw.projections[static_cast<int>(p)];
-  // QLoRA: one projection at a time is dequantized into compute-dtype scratch (and, with
-  // overlap_dequant, the next one ahead).
-  Tensor w;
-  if (!prefetched_.weight.empty() && prefetched_.layer == layer && prefetched_.projection == p) {
-    backend_.compute_wait(prefetch_done_);
-    w = prefetched_.weight;
-    prefetched_.weight = Tensor{};
-    ++prefetch_hits_;
-  } else {
-    drop_prefetched_weight();
-    w = memory_.alloc(fmt::format("layers.{}.{}.dequantized", layer, projection_name(p)), MemCategory::workspace,
-                      options_.compute_dtype, q.shape);
-    backend_.dequantize_4bit(w, q);
-  }
-  if (options_.overlap_dequant) {
-    visit_fetches_.push_back(p);
-    prefetch_next_weight(layer);
-  }
+  // QLoRA: one projection at a time is dequantized into compute-dtype scratch.
+  Tensor w = memory_.alloc(fmt::format("layers.{}.{}.dequantized", layer, projection_name(p)),
+                           MemCategory::workspace, options_.compute_dtype, q.shape);
+  backend_.dequantize_4bit(w, q);
   return w;
-}
-
-void LlamaStep::prefetch_next_weight(int layer) {
-  const size_t fetched = visit_fetches_.size();
-  for (const std::vector<Projection>& visit : known_visits_) {
-    if (visit.size() <= fetched || !std::equal(visit_fetches_.begin(), visit_fetches_.end(), visit.begin())) continue;
-    const Projection next = visit[fetched];
-    const Quantized4bit& q = layer_weights(layer).quantized[static_cast<int>(next)];
-    if (q.empty()) return;
-    // Issued before the caller's GEMMs on the current weight, so that it runs beside them; it
-    // waits only for the work issued so far (the last reader of its memory among it).
-    prefetched_.layer = layer;
-    prefetched_.projection = next;
-    prefetched_.weight = memory_.alloc(fmt::format("layers.{}.{}.dequantized_ahead", layer, projection_name(next)),
-                                       MemCategory::workspace, options_.compute_dtype, q.shape);
-    backend_.dequantize_4bit_async(prefetched_.weight, q, prefetch_done_);
-    return;
-  }
-}
-
-void LlamaStep::drop_prefetched_weight() {
-  if (prefetched_.weight.empty()) return;
-  // The side stream may still write it: what reuses the memory must come after.
-  backend_.compute_wait(prefetch_done_);
-  memory_.free(prefetched_.weight);
-  prefetched_.weight = Tensor{};
-  ++prefetch_drops_;
-}
-
-void LlamaStep::remember_visit() {
-  if (!options_.overlap_dequant || visit_fetches_.empty()) return;
-  constexpr size_t kMaxKnownVisits = 8;  // forward, recompute + backward, and chunk counts
-  if (known_visits_.size() < kMaxKnownVisits &&
-      std::find(known_visits_.begin(), known_visits_.end(), visit_fetches_) == known_visits_.end())
-    known_visits_.push_back(visit_fetches_);
 }
 
 void LlamaStep::release_frozen_weight(int layer, Projection p, const Tensor& w) {

@@ -94,10 +94,6 @@ struct StepOptions {
   // LoRA of the projections that read one input (q/k/v, gate/up) stacked where the adapters
   // allow it (linear_group_forward); false: one projection at a time. The same math.
   bool stacked_lora = false;
-  // QLoRA: the next projection's weight is dequantized on the backend's side stream while the
-  // current projection's GEMMs run (frozen_weight); one more dequantized weight is live at a
-  // time. The same math. See "dequantization ahead" in LlamaStep.
-  bool overlap_dequant = false;
   int64_t micro_batch = 1, seq = 0;
 };
 
@@ -164,10 +160,6 @@ class LlamaStep {
   // run their backward. Empty (the default): nothing is called.
   void set_on_layer_grads_done(std::function<void(int layer)> hook) { on_layer_grads_done_ = std::move(hook); }
   const StepOptions& options() const { return options_; }
-  // overlap_dequant: fetches served by a weight dequantized ahead, and weights dequantized ahead
-  // for nothing (a visit that went another way), since the step was built.
-  int64_t dequant_prefetch_hits() const { return prefetch_hits_; }
-  int64_t dequant_prefetch_drops() const { return prefetch_drops_; }
   // The sharded base (parallel/sharded_base.h): every read of a unit's frozen weights is then
   // bracketed by its acquire / release (frozen_base.h). Null (the default): the whole base is
   // resident and nothing is called.
@@ -258,29 +250,6 @@ class LlamaStep {
   // copy in planned scratch, given back with release_frozen_weight.
   Tensor frozen_weight(int layer, Projection p);
   void release_frozen_weight(int layer, Projection p, const Tensor& w);
-  // ---- dequantization ahead (StepOptions::overlap_dequant) ----
-  // A layer's visit (acquire_unit .. release_unit) fetches its projections in one of a few fixed
-  // orders (forward; recompute + backward; with token chunks, the MLP's per chunk). Each order is
-  // remembered; when a visit has fetched the same projections as a remembered one so far, the
-  // remembered one's next projection is dequantized ahead into its own scratch, and the next
-  // fetch takes it if it is the one asked for (else it is dropped: correct, only slower). The
-  // memory is forgotten at each pass (begin_base_pass), so that every micro-batch allocates as
-  // the planned one does and the plan stays exact; a pass's first forward and first backward
-  // visit run without it.
-  void prefetch_next_weight(int layer);
-  void drop_prefetched_weight();
-  void remember_visit();
-  struct PrefetchedWeight {
-    int layer = -1;
-    Projection projection = Projection::q;
-    Tensor weight;  // empty: none in flight
-  };
-  PrefetchedWeight prefetched_;
-  CopyEvent prefetch_done_{};
-  std::vector<Projection> visit_fetches_;              // this visit's fetches so far
-  std::vector<std::vector<Projection>> known_visits_;  // the pass's distinct fetch orders
-  int64_t prefetch_hits_ = 0, prefetch_drops_ = 0;
-  // ---- end dequantization ahead ----
   // The projections take x as rows of the layer's [N, in] input starting at row first_row (0 for
   // the whole input, the chunk's first row in a chunked MLP): the LoRA dropout masks element
   // (first_row + i, j) of the whole input, so chunking does not change the mask.

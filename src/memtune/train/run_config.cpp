@@ -102,7 +102,6 @@ StepOptions RunConfig::step_options() const {
   o.offload_activations = offload_activations;
   o.packed_rows = packed_rows;
   o.stacked_lora = stacked_lora;
-  o.overlap_dequant = overlap_dequant && load_in_4bit;
   o.micro_batch = per_device_train_batch_size;
   o.seq = max_seq_length;
   return o;

@@ -69,10 +69,6 @@ struct RunConfig {
   // measured 1.3% faster on 8B QLoRA and 16-bit LoRA at 2 x 2048, the same device peak
   // (bench/results/2026-12-06-h100-peers). false: one A GEMM per projection.
   bool stacked_lora = true;
-  // QLoRA: the next projection's 4-bit weight dequantized on a side stream while the current
-  // projection's GEMMs run (StepOptions::overlap_dequant): the same math, one more dequantized
-  // weight in the plan. Off until measured on the device (bench/NOTES.md).
-  bool overlap_dequant = false;
   double learning_rate = 2e-4;
   double weight_decay = 0.0;
   double adam_beta1 = 0.9, adam_beta2 = 0.999, adam_epsilon = 1e-8;

@@ -75,7 +75,6 @@ CudaBackend::~CudaBackend() {
     if (event != nullptr) cudaEventDestroy(event);
   if (compute_issued_ != nullptr) cudaEventDestroy(compute_issued_);
   if (copy_stream_ != nullptr) cudaStreamDestroy(copy_stream_);
-  if (side_stream_ != nullptr) cudaStreamDestroy(side_stream_);
   // ---- end offload ----
 }
 
@@ -729,18 +728,7 @@ class TemporaryDeviceBuffer {
 
 }  // namespace
 
-void CudaBackend::dequantize_4bit(const Tensor& out, const Quantized4bit& q) { launch_dequantize(out, q, stream_); }
-
-void CudaBackend::dequantize_4bit_async(const Tensor& out, const Quantized4bit& q, CopyEvent done) {
-  const cudaEvent_t event = event_of(done);  // create_event made compute_issued_ too
-  if (side_stream_ == nullptr) MT_CUDA_CHECK(cudaStreamCreateWithFlags(&side_stream_, cudaStreamNonBlocking));
-  MT_CUDA_CHECK(cudaEventRecord(compute_issued_, stream_));
-  MT_CUDA_CHECK(cudaStreamWaitEvent(side_stream_, compute_issued_, 0));
-  launch_dequantize(out, q, side_stream_);
-  MT_CUDA_CHECK(cudaEventRecord(event, side_stream_));
-}
-
-void CudaBackend::launch_dequantize(const Tensor& out, const Quantized4bit& q, cudaStream_t stream) {
+void CudaBackend::dequantize_4bit(const Tensor& out, const Quantized4bit& q) {
   check_quantized_on_cuda(q, "dequantize_4bit");
   check_float_tensor(out, "dequantize_4bit out");
   MT_ASSERT(out.numel() == q.shape.numel(), "dequantize {} into {}", q.shape.str(),
@@ -761,7 +749,7 @@ void CudaBackend::launch_dequantize(const Tensor& out, const Quantized4bit& q, c
   } else {
     args.absmax = q.absmax.as<const float>();
   }
-  cuda::launch_dequantize_4bit(args, quant4bit_tables(q.config.type), stream);
+  cuda::launch_dequantize_4bit(args, quant4bit_tables(q.config.type), stream_);
 }
 
 void CudaBackend::quantize_4bit(Quantized4bit& q, const Tensor& dense, std::string_view name) {

@@ -136,8 +136,6 @@ class CudaBackend final : public Backend {
 
   // ---- QLoRA 4-bit (quant4bit.cu; bit-identical to quant/nf4.h) ----
   void dequantize_4bit(const Tensor& out, const Quantized4bit& q) override;
-  // On side_stream_ (created with the first call), ordered as the offload copies are.
-  void dequantize_4bit_async(const Tensor& out, const Quantized4bit& q, CopyEvent done) override;
   // Synchronises (the double-quant offset is a host float). Double quant stages the fp32 absmax
   // in a temporary device buffer of 4 bytes per block (n / 16 bytes at blocksize 64).
   void quantize_4bit(Quantized4bit& q, const Tensor& dense, std::string_view name) override;
@@ -155,10 +153,6 @@ class CudaBackend final : public Backend {
   cudaEvent_t event_of(CopyEvent event) const;
   cudaStream_t copy_stream_ = nullptr;     // non-blocking: it never waits on the default stream by itself
   cudaEvent_t compute_issued_ = nullptr;   // recorded on the compute stream before each copy
-  // Non-blocking too, apart from the copy stream so that a dequantization never queues behind an
-  // offload copy.
-  cudaStream_t side_stream_ = nullptr;
-  void launch_dequantize(const Tensor& out, const Quantized4bit& q, cudaStream_t stream);
   std::vector<cudaEvent_t> copy_events_;   // indexed by CopyEvent::id
   // ---- end offload ----
   void* bound_workspace_ = nullptr;  // planned by the engine; null when unbound
