@@ -128,6 +128,33 @@ TEST(CliFit, MaxContextWithOffloadStaysInsideTheHostMemory) {
   EXPECT_NE(bad.exit_code, 0);
 }
 
+// fit's offload candidate pins host memory: on a host that cannot hold it the candidate does not
+// fit, and the answer says why and what would.
+TEST(CliFit, TheOffloadCandidateMustFitTheHostsMemory) {
+  // A budget that is the tiny model's full stack at seq 1024 without offload: at 2048 tokens only
+  // the offload candidate fits it.
+  const uint64_t budget = plan_json_of("--model tiny --load_in_4bit --bf16 --gradient_checkpointing --attn_implementation "
+                                       "flash --loss_implementation chunked --batch 1 --seq 1024")["peak_bytes"].get<uint64_t>();
+  const std::string fit = fmt::format("fit --model tiny --vram {} --context 0 --seq 2048 --batch 1 --accum 1 --json", budget);
+  const Result roomy = run_memtune(fit + " --host_memory none");
+  ASSERT_EQ(roomy.exit_code, 0) << roomy.output;
+  const nlohmann::json fitted = nlohmann::json::parse(roomy.output);
+  EXPECT_NE(fitted["options"].get<std::string>().find("--offload_activations"), std::string::npos) << roomy.output;
+  const uint64_t pinned = fitted["plan"]["host_bytes"].get<uint64_t>();
+  ASSERT_GT(pinned, 0u);
+
+  const Result small_host = run_memtune(fit + fmt::format(" --host_memory {}", pinned - 1));
+  EXPECT_EQ(small_host.exit_code, 3) << small_host.output;
+  const nlohmann::json refused = nlohmann::json::parse(small_host.output);
+  EXPECT_EQ(refused["fits"], false);
+  EXPECT_EQ(refused["host_budget_bytes"], pinned - 1);
+  const std::string why = refused["explanation"].get<std::string>();
+  EXPECT_NE(why.find("does not fit the host's"), std::string::npos) << why;
+  EXPECT_NE(why.find("more host memory"), std::string::npos) << why;
+  // Exactly enough host memory: it fits again.
+  EXPECT_EQ(run_memtune(fit + fmt::format(" --host_memory {}", pinned)).exit_code, 0);
+}
+
 // In a ladder, --offload_activations applies to the rungs that checkpoint, not to the baseline
 // (which would refuse it), and the rungs' techniques say so.
 TEST(CliOffload, TheLadderOffloadsTheCheckpointingRungsOnly) {

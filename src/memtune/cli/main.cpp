@@ -275,8 +275,8 @@ int run_cli(int argc, char** argv) {
                     "report the longest max_seq_length at micro-batch 1 that fits, with the full memory stack, with and without --offload_activations");
   std::string host_memory = "auto";
   fit_cmd->add_option("--host_memory,--host-memory", host_memory,
-                      "--max-context: pinned host memory that offload may take: auto (this machine's MemAvailable), "
-                      "none (no limit) or a size, e.g. 64GiB")->capture_default_str();
+                      "pinned host memory that offload may take: auto (this machine's MemAvailable), none (no "
+                      "limit) or a size, e.g. 64GiB")->capture_default_str();
 
   CLI::App* ladder_cmd = app.add_subcommand("ladder", "the memory ladder: apply memory techniques one at a time");
   add_run_options(*ladder_cmd, run, flags);
@@ -503,11 +503,15 @@ int run_cli(int argc, char** argv) {
     return 0;
   }
 
-  if (fit_cmd->parsed() && max_context) {
-    const uint64_t host_budget = host_memory == "auto" ? host_memory_available()
-                                 : host_memory == "none" ? 0 : parse_bytes(host_memory);
+  // fit: the pinned host memory that offload may take (--host_memory).
+  uint64_t host_budget = 0;
+  if (fit_cmd->parsed()) {
+    host_budget = host_memory == "auto" ? host_memory_available() : host_memory == "none" ? 0 : parse_bytes(host_memory);
     MT_USER_CHECK(host_memory == "none" || host_memory == "auto" || host_budget > 0,
                   "--host_memory {}: expected auto, none or a positive size such as 64GiB", host_memory);
+  }
+
+  if (fit_cmd->parsed() && max_context) {
     const MaxContextReport report = max_context_report(run, model, parse_bytes(vram), parse_bytes(context), host_budget);
     if (json) {
       nlohmann::json out = nlohmann::json::object();
@@ -530,10 +534,11 @@ int run_cli(int argc, char** argv) {
   }
 
   if (fit_cmd->parsed()) {
-    const FitResult fit = fit_run(run, model, parse_bytes(vram), parse_bytes(context));
+    const FitResult fit = fit_run(run, model, parse_bytes(vram), parse_bytes(context), host_budget);
     if (json) {
       nlohmann::json out = {{"units", "bytes"}, {"fits", fit.fits}, {"budget_bytes", parse_bytes(vram)},
-                            {"context_bytes", parse_bytes(context)}, {"explanation", fit.explanation}};
+                            {"context_bytes", parse_bytes(context)}, {"host_budget_bytes", host_budget},
+                            {"explanation", fit.explanation}};
       if (fit.fits) {
         out["options"] = fit_flags(fit.run);
         out["planned_bytes"] = fit.planned_bytes;

@@ -64,11 +64,13 @@ std::string fit_flags(const RunConfig& r) {
   return flags;
 }
 
-FitResult fit_run(const RunConfig& base, const LlamaConfig& model, uint64_t budget, uint64_t context) {
+FitResult fit_run(const RunConfig& base, const LlamaConfig& model, uint64_t budget, uint64_t context,
+                  uint64_t host_budget) {
   FitResult result;
   const int64_t effective = base.per_device_train_batch_size * base.gradient_accumulation_steps;
   result.explanation = fmt::format("budget {} ({} of it CUDA context), effective batch {} x seq {}:\n",
                                    format_bytes(budget), format_bytes(context), effective, base.max_seq_length);
+  bool host_refused = false;  // some candidate fitted the device but not the host's pinned memory
   for (const Candidate& candidate : kCandidates) {
     RunConfig run = base;
     if (run.precision == Precision::fp32) run.precision = Precision::bf16;
@@ -80,14 +82,21 @@ FitResult fit_run(const RunConfig& base, const LlamaConfig& model, uint64_t budg
       run.offload_activations = true;
       run.offload_embeddings = run.offload_embeddings || !model.tie_word_embeddings;
     }
-    // The largest micro-batch that divides the effective batch and fits.
+    // The largest micro-batch that divides the effective batch and fits (the device, and the
+    // host's pinned memory where it offloads).
+    uint64_t host_short = 0;  // pinned bytes of the smallest micro-batch that the host refused
     for (int64_t micro = effective; micro >= 1; --micro) {
       if (effective % micro != 0) continue;
       run.per_device_train_batch_size = micro;
       run.gradient_accumulation_steps = effective / micro;
       run.mlp_chunk_tokens = base.mlp_chunk_tokens;  // auto again for every micro-batch
       if (!fit_token_chunks(run, model, budget, context)) continue;
-      const uint64_t planned = plan_run(run, model).arena_bytes;
+      const Plan plan = plan_run(run, model);
+      if (host_budget > 0 && plan.host_bytes > host_budget) {
+        host_short = plan.host_bytes;
+        continue;
+      }
+      const uint64_t planned = plan.arena_bytes;
       result.explanation += fmt::format("  {:<36} fits at micro-batch {} x accumulation {}{}: {} (expected slowdown {})\n",
                                         candidate.name, micro, effective / micro,
                                         run.resolved_token_chunk_rows() > 0
@@ -102,14 +111,21 @@ FitResult fit_run(const RunConfig& base, const LlamaConfig& model, uint64_t budg
       }
       break;
     }
-    if (!result.fits)
+    host_refused = host_refused || (!result.fits && host_short > 0);
+    if (!result.fits && host_short > 0)
+      result.explanation += fmt::format("  {:<36} fits the device, but its pinned host memory ({}) does not fit "
+                                        "the host's {}\n", candidate.name, format_bytes(host_short),
+                                        format_bytes(host_budget));
+    else if (!result.fits)
       result.explanation += fmt::format("  {:<36} does not fit even at micro-batch 1\n", candidate.name);
     if (result.fits) break;  // candidates are in order of expected slowdown: the first wins
   }
   if (result.fits)
     result.explanation += "chosen: the first that fits, in order of expected slowdown; a larger micro-batch keeps the GEMMs larger.\n";
   else
-    result.explanation += "nothing fits: shorten --max_seq_length or use a smaller model.\n";
+    result.explanation += host_refused ? "nothing fits: shorten --max_seq_length, use a smaller model, or train on a "
+                                         "machine with more host memory (--host_memory plans for one).\n"
+                                       : "nothing fits: shorten --max_seq_length or use a smaller model.\n";
   return result;
 }
 

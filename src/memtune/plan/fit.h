@@ -20,9 +20,10 @@ struct FitResult {
 // --attn_implementation flash --loss_implementation chunked --load_in_4bit ...".
 std::string fit_flags(const RunConfig& fitted);
 
-// Keeps the effective batch (micro-batch x accumulation) of `base`.
+// Keeps the effective batch (micro-batch x accumulation) of `base`. host_budget_bytes (0: no
+// limit) bounds the pinned host memory of the offload candidate.
 FitResult fit_run(const RunConfig& base, const LlamaConfig& model, uint64_t budget_bytes,
-                  uint64_t context_bytes);
+                  uint64_t context_bytes, uint64_t host_budget_bytes = 0);
 
 // Under a budget, an auto mlp_chunk_tokens (RunConfig::kAutoTokenChunks) becomes the largest
 // token chunk whose plan plus the context fits: the auto default first, then 2048, 1024, 512 and
