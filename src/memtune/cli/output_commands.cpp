@@ -116,6 +116,26 @@ std::string output_text(const Tokenizer& tokenizer, std::span<const int32_t> ids
   return text;
 }
 
+// What generate and logits start from: the model, its tokenizer, the prompt's ids (refused with
+// `empty_message` when there are none), a backend and the inference setup.
+struct Prompted {
+  ModelSource source;
+  Tokenizer tokenizer;
+  std::vector<int32_t> ids;
+  std::unique_ptr<Backend> backend;
+  InferenceSetup setup;
+};
+
+Prompted prompted(const OutputCommandOptions& o, const char* empty_message) {
+  ModelSource source = resolve_model(o.model);
+  Tokenizer tokenizer = output_tokenizer(o, source);
+  std::vector<int32_t> ids = output_prompt_ids(o, tokenizer);
+  MT_USER_CHECK(!ids.empty(), "{}", empty_message);
+  std::unique_ptr<Backend> backend = make_backend(o.device);
+  InferenceSetup setup = output_inference_setup(o, source);
+  return {std::move(source), std::move(tokenizer), std::move(ids), std::move(backend), std::move(setup)};
+}
+
 }  // namespace
 
 int run_merge(const OutputCommandOptions& o) {
@@ -131,17 +151,17 @@ int run_merge(const OutputCommandOptions& o) {
 }
 
 int run_generate(const OutputCommandOptions& o) {
-  const ModelSource source = resolve_model(o.model);
-  const Tokenizer tokenizer = output_tokenizer(o, source);
-  const std::vector<int32_t> prompt = output_prompt_ids(o, tokenizer);
-  MT_USER_CHECK(!prompt.empty(), "the prompt encodes to no tokens");
   MT_USER_CHECK(o.max_new_tokens > 0, "--max_new_tokens must be positive");
-  std::unique_ptr<Backend> backend = make_backend(o.device);
-  InferenceSetup setup = output_inference_setup(o, source);
+  Prompted p = prompted(o, "the prompt encodes to no tokens");
+  const ModelSource& source = p.source;
+  const Tokenizer& tokenizer = p.tokenizer;
+  const std::vector<int32_t>& prompt = p.ids;
+  InferenceSetup& setup = p.setup;
+  Backend& backend = *p.backend;
   setup.generator.capacity = static_cast<int64_t>(prompt.size()) + o.max_new_tokens;
   // Longer prompts are prefilled in chunks (the later ones through the decode path).
   setup.generator.max_chunk = std::min<int64_t>(static_cast<int64_t>(prompt.size()), 4096);
-  InferenceModel model(*backend, source.config, setup);
+  InferenceModel model(backend, source.config, setup);
   SamplingOptions sampling;
   sampling.max_new_tokens = o.max_new_tokens;
   sampling.temperature = o.temperature;
@@ -166,15 +186,12 @@ int run_generate(const OutputCommandOptions& o) {
 }
 
 int run_logits(const OutputCommandOptions& o) {
-  const ModelSource source = resolve_model(o.model);
-  const Tokenizer tokenizer = output_tokenizer(o, source);
-  const std::vector<int32_t> ids = output_prompt_ids(o, tokenizer);
-  MT_USER_CHECK(!ids.empty(), "no input tokens");
-  std::unique_ptr<Backend> backend = make_backend(o.device);
-  InferenceSetup setup = output_inference_setup(o, source);
-  setup.generator.capacity = setup.generator.max_chunk = static_cast<int64_t>(ids.size());
-  setup.generator.all_logits = true;
-  InferenceModel model(*backend, source.config, setup);
+  Prompted p = prompted(o, "no input tokens");
+  const ModelSource& source = p.source;
+  const std::vector<int32_t>& ids = p.ids;
+  p.setup.generator.capacity = p.setup.generator.max_chunk = static_cast<int64_t>(ids.size());
+  p.setup.generator.all_logits = true;
+  InferenceModel model(*p.backend, source.config, p.setup);
   const std::vector<float> logits = model.generator().forward(ids, /*all_positions=*/true);
   const int64_t tokens = static_cast<int64_t>(ids.size());
   const std::vector<SafetensorsWriteEntry> entries = {
