@@ -55,6 +55,7 @@
 # TEST_TIMEOUT (seconds, default 300); for the peer parts: UNSLOTH_STEPS (default 4), UNSLOTH_TIMEOUT
 # (per part, 480), UNSLOTH_ARGS, UNSLOTH_MODEL_DIR (/tmp/peer-unsloth-model), LIGER_STEPS (3),
 # LIGER_TIMEOUT (480), LIGER_ARGS, DATA_STEPS (6), DATA_REPEAT (30), DATA_TIMEOUT (per run, 240),
+# GTEST_FILTER narrows the tests part (googletest reads it), e.g. 'CudaStepTest.*:CudaQuantTest.*';
 # TOKENIZER (default BIN_DIR/tokenizer.json, which prepare-devbin copies unless DEVBIN_SLIM=1, else
 # BIN_DIR/tokenizer.json.gz),
 # CONTEXT_CAPS ("24 80"), CONTEXT_MIN (16384), CONTEXT_MAX (131072), CONTEXT_UNIT (8192),
@@ -70,6 +71,12 @@ WORK=${WORK:-/tmp/memtune-device-work}
 TEST_TIMEOUT=${TEST_TIMEOUT:-300}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 BIN_DIR=$(cd "$BIN_DIR" && pwd)
+# Binaries that prepare-devbin.sh gzipped (DEVBIN_GZIP=1) are unpacked beside their .gz.
+for b in memtune memtune_gpu_tests; do
+  if [ ! -f "$BIN_DIR/$b" ] && [ -f "$BIN_DIR/$b.gz" ]; then
+    gunzip -c "$BIN_DIR/$b.gz" > "$BIN_DIR/$b" && chmod +x "$BIN_DIR/$b"
+  fi
+done
 mkdir -p "$OUT" "$WORK"
 export LD_LIBRARY_PATH="$BIN_DIR${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export PATH=/usr/local/cuda/bin:$PATH

@@ -30,6 +30,18 @@ if [ "${DEVBIN_SLIM:-0}" != 1 ]; then
   TOKENIZER_JSON=${TOKENIZER_JSON:-../shared/data/llama3-tokenizer/tokenizer.json}
   [ -f "$TOKENIZER_JSON" ] && cp "$TOKENIZER_JSON" .devbin/
 fi
+# DEVBIN_GZIP=1: memtune and memtune_gpu_tests stripped and gzipped (36 MB -> ~11 MB) and the
+# tokenizer gzipped, so that .devbin, the tests and the peers' wheels fit one call's 64 MiB together;
+# device-check.sh unpacks them. Also the tokenizer files under DEVBIN_SLIM.
+if [ "${DEVBIN_GZIP:-0}" = 1 ]; then
+  for b in memtune memtune_gpu_tests; do strip ".devbin/$b" && gzip -9 -f ".devbin/$b"; done
+  TOKENIZER_JSON=${TOKENIZER_JSON:-../shared/data/llama3-tokenizer/tokenizer.json}
+  if [ -f "$TOKENIZER_JSON" ]; then
+    rm -f .devbin/tokenizer.json
+    gzip -9 -c "$TOKENIZER_JSON" > .devbin/tokenizer.json.gz
+    cp "$(dirname "$TOKENIZER_JSON")/tokenizer_config.json" .devbin/ 2>/dev/null || true
+  fi
+fi
 # DEVBIN_FUZZ=1: the libFuzzer targets (scripts/fuzz.sh builds them into build-fuzz/), stripped of
 # their debug info and gzipped (~1.4 MB each), for device-check's fuzz part on the device's cores.
 if [ "${DEVBIN_FUZZ:-0}" = 1 ]; then
