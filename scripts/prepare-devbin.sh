@@ -22,12 +22,12 @@ cmake --build build -j "$(nproc)"
 rm -rf .devbin && mkdir -p .devbin
 cp build/memtune build/memtune_gpu_tests .devbin/
 cp "$(g++ -print-file-name=libgomp.so.1)" .devbin/
+TOKENIZER_JSON=${TOKENIZER_JSON:-../shared/data/llama3-tokenizer/tokenizer.json}
 # DEVBIN_SLIM=1: only what the tests, sanitizer, ladder, peer, fullstack and longctx parts use, so
 # that .devbin and the peer's wheels stay within the 64 MiB a device call carries.
 if [ "${DEVBIN_SLIM:-0}" != 1 ]; then
   for b in build/bench_*; do [ -x "$b" ] && cp "$b" .devbin/; done
   # The Llama 3 tokenizer for scripts/device-qlora-flow.sh (the shared data folder does not travel).
-  TOKENIZER_JSON=${TOKENIZER_JSON:-../shared/data/llama3-tokenizer/tokenizer.json}
   [ -f "$TOKENIZER_JSON" ] && cp "$TOKENIZER_JSON" .devbin/
 fi
 # DEVBIN_GZIP=1: memtune and memtune_gpu_tests stripped and gzipped (36 MB -> ~11 MB) and the
@@ -35,7 +35,6 @@ fi
 # device-check.sh unpacks them. Also the tokenizer files under DEVBIN_SLIM.
 if [ "${DEVBIN_GZIP:-0}" = 1 ]; then
   for b in memtune memtune_gpu_tests; do strip ".devbin/$b" && gzip -9 -f ".devbin/$b"; done
-  TOKENIZER_JSON=${TOKENIZER_JSON:-../shared/data/llama3-tokenizer/tokenizer.json}
   if [ -f "$TOKENIZER_JSON" ]; then
     rm -f .devbin/tokenizer.json
     gzip -9 -c "$TOKENIZER_JSON" > .devbin/tokenizer.json.gz

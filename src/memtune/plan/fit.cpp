@@ -158,11 +158,17 @@ MaxContextResult max_context(const RunConfig& base, const LlamaConfig& model, ui
   // fits; plans of long runs take seconds each), then by bisection between the last length that
   // fitted and the first that did not. RunConfig::kMaxSeqLength bounds the search.
   const int64_t limit_steps = RunConfig::kMaxSeqLength / kContextStep;
+  // Every refusal lowers `high`, so the last one is the first length past the result: its reason
+  // is what limits the answer.
   const auto fits_at = [&](int64_t steps) {
     run.max_seq_length = steps * kContextStep;
     const Plan plan = plan_run(run, model);
-    if (plan.arena_bytes + context > budget) return false;
-    if (host_budget > 0 && plan.host_bytes > host_budget) return false;
+    const bool device_refuses = plan.arena_bytes + context > budget;
+    const bool host_refuses = host_budget > 0 && plan.host_bytes > host_budget;
+    if (device_refuses || host_refuses) {
+      result.limited_by_host = !device_refuses;
+      return false;
+    }
     if (run.max_seq_length > result.seq) {
       result.seq = run.max_seq_length;
       result.past_model_limit = model.max_position_embeddings > 0 && result.seq > model.max_position_embeddings;
@@ -186,12 +192,6 @@ MaxContextResult max_context(const RunConfig& base, const LlamaConfig& model, ui
     const int64_t mid = low + (high - low) / 2;
     if (fits_at(mid)) low = mid;
     else high = mid;
-  }
-  // What stops it: the first length past the result, planned once more.
-  if (host_budget > 0 && high <= limit_steps) {
-    run.max_seq_length = high * kContextStep;
-    const Plan plan = plan_run(run, model);
-    result.limited_by_host = plan.arena_bytes + context <= budget && plan.host_bytes > host_budget;
   }
   return result;
 }
