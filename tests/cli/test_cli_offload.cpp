@@ -126,6 +126,10 @@ TEST(CliFit, MaxContextWithOffloadStaysInsideTheHostMemory) {
   // A budget that is not a size is refused.
   const Result bad = run_memtune("fit --model tiny --vram 8GiB --max-context --host_memory lots");
   EXPECT_NE(bad.exit_code, 0);
+  EXPECT_NE(bad.output.find("'lots' is not a byte count"), std::string::npos) << bad.output;
+  const Result zero = run_memtune("fit --model tiny --vram 8GiB --host_memory 0");
+  EXPECT_NE(zero.exit_code, 0);
+  EXPECT_NE(zero.output.find("--host_memory 0: expected auto, none or a positive size"), std::string::npos) << zero.output;
 }
 
 // fit's offload candidate pins host memory: on a host that cannot hold it the candidate does not
