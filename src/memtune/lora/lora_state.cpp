@@ -10,39 +10,17 @@ namespace memtune {
 
 namespace {
 
-constexpr int64_t kFlatAlignElements = 64;  // 256 bytes: what every arena buffer gets
+// Every view starts at a multiple of this many elements: 512 bytes in f32, 256 in the 16-bit
+// compute copies (what every arena buffer gets).
+constexpr int64_t kFlatAlignElements = 128;
+
+int64_t align_up(int64_t value, int64_t multiple) { return (value + multiple - 1) / multiple * multiple; }
 
 Tensor flat_view(const Tensor& flat, int64_t offset, Shape shape) {
   Tensor t = flat;
   t.shape = shape;
-  if (flat.data != nullptr) t.data = flat.as<float>() + offset;
+  if (flat.data != nullptr) t.data = static_cast<char*>(flat.data) + offset * static_cast<int64_t>(dtype_size(flat.dtype));
   return t;
-}
-
-// The 16-bit copy of an fp32 master that the step multiplies with (the master itself in fp32).
-Tensor compute_copy(Memory& memory, const std::string& key, Shape shape, DType compute_dtype, const Tensor& master) {
-  if (compute_dtype == DType::f32) return master;
-  return memory.alloc(key + ".compute", MemCategory::adapters, compute_dtype, shape);
-}
-
-void allocate_compute_copies(Memory& memory, const LoraSpec& spec, LoraTensors& t, DType compute_dtype) {
-  t.a_compute = compute_copy(memory, spec.a_key, spec.a_shape, compute_dtype, t.a);
-  t.b_compute = compute_copy(memory, spec.b_key, spec.b_shape, compute_dtype, t.b);
-}
-
-// AdamW's two fp32 moments of every A and B, after all the adapters and grads.
-void allocate_moments(Memory& memory, const std::vector<LoraSpec>& specs, std::vector<LoraTensors>& tensors) {
-  for (size_t i = 0; i < specs.size(); ++i) {
-    const LoraSpec& spec = specs[i];
-    LoraTensors& t = tensors[i];
-    const auto moment = [&](const std::string& key, const char* which, Shape shape) {
-      return memory.alloc(key + which, MemCategory::optimizer_state, DType::f32, shape);
-    };
-    t.exp_avg_a = moment(spec.a_key, ".exp_avg", spec.a_shape);
-    t.exp_avg_sq_a = moment(spec.a_key, ".exp_avg_sq", spec.a_shape);
-    t.exp_avg_b = moment(spec.b_key, ".exp_avg", spec.b_shape);
-    t.exp_avg_sq_b = moment(spec.b_key, ".exp_avg_sq", spec.b_shape);
-  }
 }
 
 // The specs of `layer`'s group members in table order, when every member has an adapter with
@@ -58,19 +36,45 @@ std::vector<size_t> group_specs(const std::vector<LoraSpec>& specs, int layer, c
   return found;
 }
 
-// One buffer [members * r, in] of `dtype` for a group's A (or its copy, or its grad), handed out
-// as row blocks into each member's tensor.
-void allocate_stacked(Memory& memory, const std::vector<LoraSpec>& specs, const std::vector<size_t>& members,
-                      const char* suffix, MemCategory category, DType dtype, std::vector<LoraTensors>& tensors,
-                      Tensor LoraTensors::*field) {
-  const LoraSpec& first = specs[members[0]];
-  const int64_t rows = first.a_shape[0], in = first.a_shape[1];
-  const Tensor whole = memory.alloc(fmt::format("{}{} (+{} stacked)", first.a_key, suffix, members.size() - 1), category,
-                                    dtype, Shape{rows * static_cast<int64_t>(members.size()), in});
-  for (size_t m = 0; m < members.size(); ++m) {
-    Tensor part = whole.slice_rows(static_cast<int64_t>(m) * rows, static_cast<int64_t>(m + 1) * rows);
-    tensors[members[m]].*field = part;
+// Where every spec's A and B start in the flat buffers, in elements. One layout serves every role
+// (masters, compute copies, grads, both moments), so that an elementwise update of all the
+// adapters is one op over the flat buffers. Table order, layer by layer (what the data-parallel
+// grad buckets need); with `stack`, the A of an input group's members lie end to end without a
+// gap, at the group's first member.
+struct FlatLayout {
+  std::vector<int64_t> a, b;
+  int64_t total = 0;
+};
+
+FlatLayout flat_layout(const std::vector<LoraSpec>& specs, int num_layers, bool stack, int64_t multiple) {
+  std::vector<std::vector<size_t>> stacked_from(specs.size());  // first member -> members
+  std::vector<bool> stacked(specs.size(), false);
+  if (stack)
+    for (int layer = 0; layer < num_layers; ++layer)
+      for (const LoraInputGroup& group : kLoraInputGroups) {
+        std::vector<size_t> members = group_specs(specs, layer, group);
+        if (members.empty()) continue;
+        for (size_t i : members) stacked[i] = true;
+        stacked_from[members[0]] = std::move(members);
+      }
+  FlatLayout layout;
+  layout.a.assign(specs.size(), 0);
+  layout.b.assign(specs.size(), 0);
+  int64_t end = 0;
+  for (size_t i = 0; i < specs.size(); ++i) {
+    if (!stacked_from[i].empty()) {
+      for (size_t m = 0; m < stacked_from[i].size(); ++m)
+        layout.a[stacked_from[i][m]] = end + static_cast<int64_t>(m) * specs[i].a_shape.numel();
+      end = align_up(end + static_cast<int64_t>(stacked_from[i].size()) * specs[i].a_shape.numel(), kFlatAlignElements);
+    } else if (!stacked[i]) {
+      layout.a[i] = end;
+      end = align_up(end + specs[i].a_shape.numel(), kFlatAlignElements);
+    }
+    layout.b[i] = end;
+    end = align_up(end + specs[i].b_shape.numel(), kFlatAlignElements);
   }
+  layout.total = align_up(std::max<int64_t>(end, 1), multiple);
+  return layout;
 }
 
 }  // namespace
@@ -90,7 +94,6 @@ Tensor stacked_rows(const Tensor* const* parts, int count) {
 }
 
 int64_t LoraState::flat_offset(const Tensor& view) const {
-  MT_ASSERT(!flat_params_.empty(), "flat_offset without the flat layout");
   for (const Tensor* flat : {&flat_params_, &flat_grads_}) {
     const char* base = static_cast<const char*>(flat->data);
     const char* at = static_cast<const char*>(view.data);
@@ -106,89 +109,38 @@ LoraState LoraState::allocate(Memory& memory, const LlamaConfig& model, const Lo
   state.config_ = lora;
   state.specs_ = lora_table(model, lora);
   state.index_.assign(model.num_hidden_layers * kNumProjections, -1);
-  if (flat_multiple > 0) return allocate_flat(state, memory, compute_dtype, with_optimizer, flat_multiple);
-  // Grouped by role so that the plan reads per category, as the buffers would be laid out. The A
-  // of each input group (kLoraInputGroups) is stacked: its f32 master, compute copy and grad are
-  // each one buffer, allocated where the group's first member's would be.
-  state.tensors_.resize(state.specs_.size());
-  std::vector<std::vector<size_t>> stacked_from(state.specs_.size());  // first member -> members
-  std::vector<bool> stacked(state.specs_.size(), false);
-  for (int layer = 0; layer < model.num_hidden_layers; ++layer)
-    for (const LoraInputGroup& group : kLoraInputGroups) {
-      std::vector<size_t> members = group_specs(state.specs_, layer, group);
-      if (members.empty()) continue;
-      for (size_t i : members) stacked[i] = true;
-      stacked_from[members[0]] = std::move(members);
-    }
-  const bool separate_copies = compute_dtype != DType::f32;
-  for (size_t i = 0; i < state.specs_.size(); ++i) {
-    const LoraSpec& spec = state.specs_[i];
-    LoraTensors& t = state.tensors_[i];
-    state.index_[spec.layer * kNumProjections + static_cast<int>(spec.projection)] =
-        static_cast<int>(i);
-    if (!stacked_from[i].empty()) {
-      allocate_stacked(memory, state.specs_, stacked_from[i], "", MemCategory::adapters, DType::f32, state.tensors_, &LoraTensors::a);
-      if (separate_copies)
-        allocate_stacked(memory, state.specs_, stacked_from[i], ".compute", MemCategory::adapters, compute_dtype,
-                         state.tensors_, &LoraTensors::a_compute);
-    } else if (!stacked[i]) {
-      t.a = memory.alloc(spec.a_key, MemCategory::adapters, DType::f32, spec.a_shape);
-      t.a_compute = compute_copy(memory, spec.a_key, spec.a_shape, compute_dtype, t.a);
-    }
-    t.b = memory.alloc(spec.b_key, MemCategory::adapters, DType::f32, spec.b_shape);
-    t.b_compute = compute_copy(memory, spec.b_key, spec.b_shape, compute_dtype, t.b);
+  const FlatLayout layout = flat_layout(state.specs_, model.num_hidden_layers, /*stack=*/flat_multiple == 0,
+                                        std::max<int64_t>(flat_multiple, 1));
+  const Shape flat{layout.total};
+  // By role, so that the plan reads per category: the masters and their compute copies
+  // (adapters), the grads, the moments.
+  state.flat_params_ = memory.alloc("lora.flat_params", MemCategory::adapters, DType::f32, flat);
+  state.flat_compute_ = compute_dtype == DType::f32
+                            ? state.flat_params_
+                            : memory.alloc("lora.flat_params.compute", MemCategory::adapters, compute_dtype, flat);
+  state.flat_grads_ = memory.alloc("lora.flat_grads", MemCategory::adapter_grads, DType::f32, flat);
+  if (with_optimizer) {
+    state.flat_exp_avg_ = memory.alloc("lora.flat_exp_avg", MemCategory::optimizer_state, DType::f32, flat);
+    state.flat_exp_avg_sq_ = memory.alloc("lora.flat_exp_avg_sq", MemCategory::optimizer_state, DType::f32, flat);
   }
-  if (!separate_copies)  // fp32: a stacked member's A is set with its group's first, after the loop
-    for (LoraTensors& t : state.tensors_) t.a_compute = t.a;
-  for (size_t i = 0; i < state.specs_.size(); ++i) {
-    const LoraSpec& spec = state.specs_[i];
-    LoraTensors& t = state.tensors_[i];
-    if (!stacked_from[i].empty())
-      allocate_stacked(memory, state.specs_, stacked_from[i], ".grad", MemCategory::adapter_grads, DType::f32,
-                       state.tensors_, &LoraTensors::grad_a);
-    else if (!stacked[i])
-      t.grad_a = memory.alloc(spec.a_key + ".grad", MemCategory::adapter_grads, DType::f32, spec.a_shape);
-    t.grad_b = memory.alloc(spec.b_key + ".grad", MemCategory::adapter_grads, DType::f32,
-                            spec.b_shape);
-  }
-  if (with_optimizer) allocate_moments(memory, state.specs_, state.tensors_);
-  return state;
-}
-
-LoraState LoraState::allocate_flat(LoraState& state, Memory& memory, DType compute_dtype,
-                                   bool with_optimizer, int64_t flat_multiple) {
-  // Offsets of A then B of each spec, in table order (layer by layer: what grad buckets need).
-  std::vector<std::pair<int64_t, int64_t>> offsets;
-  int64_t end = 0;
-  for (const LoraSpec& spec : state.specs_) {
-    const int64_t a = end;
-    const int64_t b = a + (spec.a_shape.numel() + kFlatAlignElements - 1) / kFlatAlignElements * kFlatAlignElements;
-    end = b + (spec.b_shape.numel() + kFlatAlignElements - 1) / kFlatAlignElements * kFlatAlignElements;
-    offsets.push_back({a, b});
-  }
-  const int64_t padded = (end + flat_multiple - 1) / flat_multiple * flat_multiple;
-  state.flat_params_ = memory.alloc("lora.flat_params", MemCategory::adapters, DType::f32, Shape{padded});
   state.tensors_.resize(state.specs_.size());
   for (size_t i = 0; i < state.specs_.size(); ++i) {
     const LoraSpec& spec = state.specs_[i];
     LoraTensors& t = state.tensors_[i];
     state.index_[spec.layer * kNumProjections + static_cast<int>(spec.projection)] = static_cast<int>(i);
-    t.a = flat_view(state.flat_params_, offsets[i].first, spec.a_shape);
-    t.b = flat_view(state.flat_params_, offsets[i].second, spec.b_shape);
+    const auto views = [&](const Tensor& buffer, Tensor LoraTensors::*a, Tensor LoraTensors::*b) {
+      t.*a = flat_view(buffer, layout.a[i], spec.a_shape);
+      t.*b = flat_view(buffer, layout.b[i], spec.b_shape);
+    };
+    views(state.flat_params_, &LoraTensors::a, &LoraTensors::b);
+    views(state.flat_compute_, &LoraTensors::a_compute, &LoraTensors::b_compute);
+    views(state.flat_grads_, &LoraTensors::grad_a, &LoraTensors::grad_b);
+    if (with_optimizer) {
+      views(state.flat_exp_avg_, &LoraTensors::exp_avg_a, &LoraTensors::exp_avg_b);
+      views(state.flat_exp_avg_sq_, &LoraTensors::exp_avg_sq_a, &LoraTensors::exp_avg_sq_b);
+    }
   }
-  for (size_t i = 0; i < state.specs_.size(); ++i) {
-    const LoraSpec& spec = state.specs_[i];
-    LoraTensors& t = state.tensors_[i];
-    allocate_compute_copies(memory, spec, t, compute_dtype);
-  }
-  state.flat_grads_ = memory.alloc("lora.flat_grads", MemCategory::adapter_grads, DType::f32, Shape{padded});
-  for (size_t i = 0; i < state.specs_.size(); ++i) {
-    LoraTensors& t = state.tensors_[i];
-    t.grad_a = flat_view(state.flat_grads_, offsets[i].first, state.specs_[i].a_shape);
-    t.grad_b = flat_view(state.flat_grads_, offsets[i].second, state.specs_[i].b_shape);
-  }
-  if (with_optimizer) allocate_moments(memory, state.specs_, state.tensors_);
-  return std::move(state);
+  return state;
 }
 
 const LoraTensors* LoraState::find(int layer, Projection projection) const {
@@ -197,38 +149,35 @@ const LoraTensors* LoraState::find(int layer, Projection projection) const {
 }
 
 void LoraState::init_peft(Backend& backend, uint64_t seed) const {
+  backend.fill(flat_params_, 0.0f);  // every B, and the gaps between the views
   for (size_t i = 0; i < specs_.size(); ++i) {
     const float bound = 1.0f / std::sqrt(static_cast<float>(specs_[i].a_shape[1]));
     backend.fill_random(tensors_[i].a, Backend::Distribution::uniform, -bound, bound,
                         seed * 7919 + i);
-    backend.fill(tensors_[i].b, 0.0f);
   }
   sync_compute_copies(backend);
 }
 
-void LoraState::zero_grads(Backend& backend) const {
-  if (!flat_grads_.empty()) {
-    backend.fill(flat_grads_, 0.0f);  // the gaps and the padding too
-    return;
-  }
-  for (const LoraTensors& t : tensors_) {
-    backend.fill(t.grad_a, 0.0f);
-    backend.fill(t.grad_b, 0.0f);
-  }
-}
+// The gaps between the views hold zeros in every flat buffer (init_peft, zero_grads,
+// zero_optimizer), which AdamW keeps at zero and which add nothing to the sum of squares: the
+// ops below may run over the whole buffers.
+void LoraState::zero_grads(Backend& backend) const { backend.fill(flat_grads_, 0.0f); }
 
 void LoraState::zero_optimizer(Backend& backend) const {
-  for (const LoraTensors& t : tensors_)
-    for (const Tensor* m : {&t.exp_avg_a, &t.exp_avg_sq_a, &t.exp_avg_b, &t.exp_avg_sq_b})
-      if (!m->empty()) backend.fill(*m, 0.0f);
+  if (flat_exp_avg_.shape.ndim == 0) return;  // no optimizer
+  backend.fill(flat_exp_avg_, 0.0f);
+  backend.fill(flat_exp_avg_sq_, 0.0f);
 }
 
 void LoraState::sync_compute_copies(Backend& backend) const {
-  for (const LoraTensors& t : tensors_) {
-    if (t.a_compute.data == t.a.data) continue;
-    backend.convert(t.a_compute, t.a);
-    backend.convert(t.b_compute, t.b);
-  }
+  if (flat_compute_.dtype != DType::f32) backend.convert(flat_compute_, flat_params_);
+}
+
+void LoraState::add_grad_squares(Backend& backend, const Tensor& acc) const { backend.sum_squares(acc, flat_grads_); }
+
+void LoraState::adamw_step(Backend& backend, const AdamWParams& params) const {
+  MT_ASSERT(flat_exp_avg_.shape.ndim != 0, "adamw_step on adapters allocated without optimizer state");
+  backend.adamw_step(flat_params_, flat_grads_, flat_exp_avg_, flat_exp_avg_sq_, params);
 }
 
 }  // namespace memtune

@@ -14,6 +14,7 @@
 namespace memtune {
 
 class Backend;
+struct AdamWParams;
 
 struct LoraTensors {
   Tensor a, b;                  // f32 masters, [r, in] and [out, r]
@@ -57,11 +58,14 @@ Tensor stacked_rows(const Tensor* const* parts, int count);
 
 class LoraState {
  public:
-  // flat_multiple 0: one buffer per tensor (a single-device run). flat_multiple > 0 (data
-  // parallel; parallel/): the f32 masters are views into one flat buffer and the grads into
-  // another, each tensor at a 64-element-aligned offset in table order (layer by layer), the
-  // buffers padded to a multiple of flat_multiple elements; gaps and padding are zeroed with the
-  // grads, so the flat buffers can be reduced, sharded and gathered whole.
+  // Every role (f32 masters, their compute-dtype copies, f32 grads, the two f32 AdamW moments)
+  // is one flat buffer, and every tensor a view at the same element offset in each, in table
+  // order (layer by layer), views 128-element aligned; the gaps hold zeros. So the optimizer's
+  // elementwise ops (zeroing, the grad norm, AdamW, the compute copies) are one op each over the
+  // whole buffers instead of one per tensor. flat_multiple 0 (a single-device run): the A of each
+  // input group stack (kLoraInputGroups). flat_multiple > 0 (data parallel; parallel/): no
+  // stacking, the buffers padded to a multiple of flat_multiple elements, so that they can be
+  // reduced, sharded and gathered whole.
   static LoraState allocate(Memory& memory, const LlamaConfig& model, const LoraConfig& lora,
                             DType compute_dtype, bool with_optimizer, int64_t flat_multiple = 0);
 
@@ -72,10 +76,10 @@ class LoraState {
   // nullptr when (layer, projection) has no adapter.
   const LoraTensors* find(int layer, Projection projection) const;
   int64_t parameter_count() const { return count_lora_parameters(specs_); }
-  // The flat buffers (f32 [padded elements]); empty without the flat layout.
+  // The flat buffers (f32 [padded elements]).
   const Tensor& flat_params() const { return flat_params_; }
   const Tensor& flat_grads() const { return flat_grads_; }
-  // Element offset of a master / grad view in its flat buffer (flat layout only).
+  // Element offset of a master / grad view in its flat buffer.
   int64_t flat_offset(const Tensor& view) const;
 
   // PEFT init: A ~ kaiming_uniform(a=sqrt(5)) = U(-1/sqrt(in), 1/sqrt(in)), B = 0.
@@ -84,16 +88,17 @@ class LoraState {
   void zero_optimizer(Backend& backend) const;
   // Copies masters into the compute-dtype copies (after init, load and every update).
   void sync_compute_copies(Backend& backend) const;
+  // acc (f32 [1]) += the sum of every grad's squares.
+  void add_grad_squares(Backend& backend, const Tensor& acc) const;
+  // One AdamW update of every adapter (allocated with_optimizer).
+  void adamw_step(Backend& backend, const AdamWParams& params) const;
 
  private:
-  static LoraState allocate_flat(LoraState& state, Memory& memory, DType compute_dtype,
-                                 bool with_optimizer, int64_t flat_multiple);
-
   LoraConfig config_;
   std::vector<LoraSpec> specs_;
   std::vector<LoraTensors> tensors_;
   std::vector<int> index_;  // layer * kNumProjections + projection -> tensors_ index or -1
-  Tensor flat_params_, flat_grads_;
+  Tensor flat_params_, flat_compute_, flat_grads_, flat_exp_avg_, flat_exp_avg_sq_;
 };
 
 }  // namespace memtune

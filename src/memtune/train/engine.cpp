@@ -373,10 +373,7 @@ StepReport Engine::train_step(const std::vector<HostMicroBatch>& micro_batches) 
   report.loss = backend_.read_scalar(step_.loss_sum()) / denominator;
 
   backend_.fill(grad_norm_sq_, 0.0f);
-  for (const LoraTensors& t : lora_.tensors()) {
-    backend_.sum_squares(grad_norm_sq_, t.grad_a);
-    backend_.sum_squares(grad_norm_sq_, t.grad_b);
-  }
+  lora_.add_grad_squares(backend_, grad_norm_sq_);
   const double scaled_norm = std::sqrt(static_cast<double>(backend_.read_scalar(grad_norm_sq_)));
   if (!std::isfinite(scaled_norm)) {
     // fp16 overflow (or a NaN anywhere): skip the update and back off, as GradScaler does.
@@ -405,10 +402,7 @@ StepReport Engine::train_step(const std::vector<HostMicroBatch>& micro_batches) 
   if (data_parallel_) {
     data_parallel_->adamw_step(params);  // ZeRO-1: this rank's shard, then the all-gather
   } else {
-    for (const LoraTensors& t : lora_.tensors()) {
-      backend_.adamw_step(t.a, t.grad_a, t.exp_avg_a, t.exp_avg_sq_a, params);
-      backend_.adamw_step(t.b, t.grad_b, t.exp_avg_b, t.exp_avg_sq_b, params);
-    }
+    lora_.adamw_step(backend_, params);
   }
   lora_.sync_compute_copies(backend_);
   if (fp16 && ++scaler_.good_steps >= LossScalerState::kGrowthInterval) {
