@@ -349,6 +349,8 @@ timed_train() {
 #                          sft-tasks.jsonl x DATA_REPEAT through the Llama 3 tokenizer
 #   data-merged            configuration 2 unpacked with --merge_micro_batches (the default since the
 #                          A/B of 2026-12-06); data-unpacked runs with it off
+#   qlora-offload-opt, lora16-offload-opt, data-merged-opt  the same with --offload_optimizer too
+#                          (AdamW's moments in pinned host memory): the leanest run of each
 if has_part configs; then
   stamp configs
   C="$WORK/configs"; mkdir -p "$C"
@@ -363,6 +365,9 @@ if has_part configs; then
                  "lora16|$LORA16 $SHAPE1 --profile" "lora16-offload|$LORA16 --offload_activations $SHAPE1" \
                  "data-unpacked|$QLORA $SHAPE2 --merge_micro_batches false" "data-packed|$QLORA $SHAPE2 --packing" \
                  "data-merged|$QLORA $SHAPE2 --merge_micro_batches true" \
+                 "qlora-offload-opt|$QLORA --offload_activations --offload_optimizer $SHAPE1" \
+                 "lora16-offload-opt|$LORA16 --offload_activations --offload_optimizer $SHAPE1" \
+                 "data-merged-opt|$QLORA $SHAPE2 --merge_micro_batches true --offload_optimizer" \
                  "qlora-unstacked|$QLORA $SHAPE1 --stacked_lora false --profile" \
                  "lora16-unstacked|$LORA16 $SHAPE1 --stacked_lora false --profile"; do
     name=${variant%%|*}; args=${variant#*|}

@@ -319,5 +319,27 @@ TEST_F(CudaStepTest, OffloadedStepsMatchPlainCheckpointedStepsOnTheDevice) {
   }
 }
 
+// AdamW's moments in pinned host memory, updated in place by the device's kernel over PCIe: the
+// same kernel on the same values, so the same bits (eager attention: no atomics anywhere, so the
+// step itself is the same bits run to run).
+TEST_F(CudaStepTest, OffloadedOptimizerStepsAreTheDeviceOptimizerSteps) {
+  LlamaConfig model = small_model();
+  model.tie_word_embeddings = false;
+  for (const bool qlora : {false, true}) {
+    SCOPED_TRACE(qlora ? "QLoRA" : "16-bit LoRA");
+    RunConfig run = small_run();
+    run.precision = Precision::bf16;
+    run.attn_implementation = "eager";
+    run.gradient_checkpointing = true;
+    run.load_in_4bit = qlora;
+    const StepOutcome plain = two_steps(gpu(), run, model);
+    run.offload_optimizer = true;
+    const StepOutcome offloaded = two_steps(gpu(), run, model);
+    EXPECT_EQ(offloaded.losses, plain.losses);
+    EXPECT_EQ(offloaded.grads, plain.grads);
+    EXPECT_EQ(offloaded.lora_weights, plain.lora_weights);
+  }
+}
+
 }  // namespace
 }  // namespace memtune::gputest

@@ -13,6 +13,7 @@
 #include "memtune/core/error.h"
 #include "memtune/model/llama_config.h"
 #include "memtune/ops/backend.h"
+#include "memtune/plan/plan_report.h"
 #include "memtune/train/engine_arena.h"
 
 using namespace memtune;
@@ -371,6 +372,47 @@ TEST(OffloadEmbeddings, ATiedModelIsRefusedWithTheReason) {
     FAIL() << "offload_embeddings of a tied model was accepted";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("untied"), std::string::npos) << e.what();
+  }
+}
+
+// ---- offload_optimizer: AdamW's moments in host memory ------------------------------------------
+
+TEST(OffloadOptimizer, StepsAreBitIdenticalAndTheMomentsLeaveTheArena) {
+  const LlamaConfig model = four_layer_model();
+  for (const bool qlora : {false, true}) {
+    SCOPED_TRACE(qlora ? "QLoRA" : "16-bit LoRA");
+    RunConfig run = checkpointed_run();
+    run.load_in_4bit = qlora;
+    auto cpu = make_cpu_backend();
+    const StepsResult plain = two_steps(*cpu, run, model);
+    run.offload_optimizer = true;
+    const StepsResult offloaded = two_steps(*cpu, run, model);
+    // The same AdamW over the same values: the adapters after two updates are the same bits.
+    expect_identical_training(offloaded, plain);
+    const Plan plan = plan_run(run, model, Device::cpu);
+    EXPECT_EQ(plan.at_peak[static_cast<int>(MemCategory::optimizer_state)], 0u);
+    EXPECT_EQ(plan.max_by_category[static_cast<int>(MemCategory::optimizer_state)], 0u);
+    ASSERT_EQ(plan.host_records.size(), 1u);
+    EXPECT_EQ(plan.host_records[0].name.rfind("lora.", 0), 0u);
+    // Two f32 moments of every trainable parameter (and the views' alignment gaps) on the host,
+    // and the arena smaller by them.
+    const uint64_t moments = 2 * sizeof(float) * static_cast<uint64_t>(plan.trainable_parameters);
+    EXPECT_GE(offloaded.host_bytes, moments);
+    EXPECT_LT(offloaded.host_bytes, moments + moments / 2);
+    EXPECT_EQ(offloaded.arena_bytes + offloaded.host_bytes, plain.arena_bytes);
+    EXPECT_NE(format_plan(plan, run, model).find("offloaded optimizer"), std::string::npos);
+  }
+}
+
+TEST(OffloadOptimizer, DataParallelIsRefusedWithTheReason) {
+  const LlamaConfig model = four_layer_model();
+  RunConfig run = checkpointed_run();
+  run.offload_optimizer = true;
+  try {
+    plan_run(run, model, Device::cpu, /*world_size=*/2);
+    FAIL() << "offload_optimizer with data parallel was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("ZeRO-1"), std::string::npos) << e.what();
   }
 }
 

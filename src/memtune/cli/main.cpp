@@ -99,7 +99,7 @@ void check_host_memory(const Plan& plan, Device device) {
     return;
   }
   MT_USER_CHECK(available == 0 || plan.host_bytes <= available,
-                "the run pins {} of host memory (--offload_activations, --offload_embeddings), the machine has {} "
+                "the run pins {} of host memory (--offload_activations, --offload_embeddings, --offload_optimizer), the machine has {} "
                 "available (MemAvailable); use a shorter --max_seq_length or a smaller micro-batch (memtune fit "
                 "--max-context finds the longest length that fits the GPU and this host)",
                 format_bytes(plan.host_bytes), format_bytes(available));

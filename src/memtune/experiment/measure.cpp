@@ -107,6 +107,7 @@ std::vector<std::string> techniques_of(const RunConfig& r) {
       fmt::format("seq {}", r.max_seq_length)};
   // Host memory that the device peak leaves out: say so where a reader compares the peaks.
   if (r.offload_embeddings) techniques.push_back("host-embeddings");
+  if (r.offload_optimizer) techniques.push_back("host-optimizer");
   return techniques;
 }
 

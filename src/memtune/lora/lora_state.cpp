@@ -104,7 +104,8 @@ int64_t LoraState::flat_offset(const Tensor& view) const {
 }
 
 LoraState LoraState::allocate(Memory& memory, const LlamaConfig& model, const LoraConfig& lora,
-                              DType compute_dtype, bool with_optimizer, int64_t flat_multiple) {
+                              DType compute_dtype, bool with_optimizer, int64_t flat_multiple,
+                              Backend* moments_on_host) {
   LoraState state;
   state.config_ = lora;
   state.specs_ = lora_table(model, lora);
@@ -119,7 +120,22 @@ LoraState LoraState::allocate(Memory& memory, const LlamaConfig& model, const Lo
                             ? state.flat_params_
                             : memory.alloc("lora.flat_params.compute", MemCategory::adapters, compute_dtype, flat);
   state.flat_grads_ = memory.alloc("lora.flat_grads", MemCategory::adapter_grads, DType::f32, flat);
-  if (with_optimizer) {
+  if (with_optimizer && moments_on_host != nullptr) {
+    // One host buffer for both moments, the second at the first's end (a multiple of 128 elements).
+    const uint64_t bytes = 2 * static_cast<uint64_t>(layout.total) * sizeof(float);
+    void* base = moments_on_host->allocate_host(bytes);  // null on the meta device: nothing is stored
+    if (base != nullptr) state.host_moments_.reset(base, [moments_on_host](void* p) { moments_on_host->free_host(p); });
+    memory.record_host("lora.flat_exp_avg + lora.flat_exp_avg_sq", bytes);
+    for (Tensor* moment : {&state.flat_exp_avg_, &state.flat_exp_avg_sq_}) {
+      moment->dtype = DType::f32;
+      moment->shape = flat;
+      moment->device = memory.device();  // read and written by the device's kernels in place
+    }
+    if (base != nullptr) {
+      state.flat_exp_avg_.data = base;
+      state.flat_exp_avg_sq_.data = static_cast<float*>(base) + layout.total;
+    }
+  } else if (with_optimizer) {
     state.flat_exp_avg_ = memory.alloc("lora.flat_exp_avg", MemCategory::optimizer_state, DType::f32, flat);
     state.flat_exp_avg_sq_ = memory.alloc("lora.flat_exp_avg_sq", MemCategory::optimizer_state, DType::f32, flat);
   }

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <array>
+#include <memory>
 #include <vector>
 
 #include "memtune/core/memory.h"
@@ -65,9 +66,12 @@ class LoraState {
   // whole buffers instead of one per tensor. flat_multiple 0 (a single-device run): the A of each
   // input group stack (kLoraInputGroups). flat_multiple > 0 (data parallel; parallel/): no
   // stacking, the buffers padded to a multiple of flat_multiple elements, so that they can be
-  // reduced, sharded and gathered whole.
+  // reduced, sharded and gathered whole. moments_on_host (a backend; nullptr: in the arena) puts
+  // the two moments in its host memory (pinned on CUDA, which its kernels read and write in
+  // place), recorded in memory.record_host: RunConfig::offload_optimizer.
   static LoraState allocate(Memory& memory, const LlamaConfig& model, const LoraConfig& lora,
-                            DType compute_dtype, bool with_optimizer, int64_t flat_multiple = 0);
+                            DType compute_dtype, bool with_optimizer, int64_t flat_multiple = 0,
+                            Backend* moments_on_host = nullptr);
 
   const LoraConfig& config() const { return config_; }
   const std::vector<LoraSpec>& specs() const { return specs_; }
@@ -99,6 +103,7 @@ class LoraState {
   std::vector<LoraTensors> tensors_;
   std::vector<int> index_;  // layer * kNumProjections + projection -> tensors_ index or -1
   Tensor flat_params_, flat_compute_, flat_grads_, flat_exp_avg_, flat_exp_avg_sq_;
+  std::shared_ptr<void> host_moments_;  // owns both moments' host memory (moments_on_host)
 };
 
 }  // namespace memtune

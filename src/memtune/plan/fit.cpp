@@ -58,6 +58,7 @@ std::string fit_flags(const RunConfig& r) {
   if (r.gradient_checkpointing) flags += " --gradient_checkpointing";
   if (r.offload_activations) flags += " --offload_activations";
   if (r.offload_embeddings) flags += " --offload_embeddings";
+  if (r.offload_optimizer) flags += " --offload_optimizer";
   flags += fmt::format(" --per_device_train_batch_size {} --gradient_accumulation_steps {}", r.per_device_train_batch_size,
                        r.gradient_accumulation_steps);
   if (r.mlp_chunk_tokens > 0) flags += fmt::format(" --mlp_chunk_tokens {}", r.mlp_chunk_tokens);

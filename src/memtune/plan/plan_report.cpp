@@ -19,6 +19,7 @@ nlohmann::json run_config_json(const RunConfig& run, const LlamaConfig& model) {
           {"mlp_chunk_tokens", run.resolved_token_chunk_rows()},
           {"offload_activations", run.offload_activations},
           {"offload_embeddings", run.offload_embeddings},
+          {"offload_optimizer", run.offload_optimizer},
           {"packed_rows", run.packed_rows},
           {"gradient_checkpointing", run.gradient_checkpointing},
           {"per_device_train_batch_size", run.per_device_train_batch_size},
@@ -64,6 +65,15 @@ nlohmann::json plan_json(const Plan& plan, const RunConfig& run, const LlamaConf
           {"run", run_config_json(run, model)}};
 }
 
+namespace {
+// The plan's line for a host allocation (the names are ModelWeights', LlamaStep's and LoraState's).
+const char* host_record_label(const std::string& name) {
+  if (name == "model.embed_tokens.weight") return "offloaded embeddings";
+  if (name.rfind("lora.", 0) == 0) return "offloaded optimizer";
+  return "offloaded activations";
+}
+}  // namespace
+
 std::string format_plan(const Plan& plan, const RunConfig& run, const LlamaConfig& model) {
   std::string out = fmt::format(
       "memtune plan for {}: {} | {} | attention {} | checkpointing {}{} | loss {} | batch {} x seq {} "
@@ -90,7 +100,7 @@ std::string format_plan(const Plan& plan, const RunConfig& run, const LlamaConfi
     out += fmt::format("  {:<24}{:>{}}   host (pinned), not in the device peak\n", "host memory", format_bytes(0), width);
   for (const HostAllocationRecord& r : plan.host_records)
     out += fmt::format("  {:<24}{:>{}}   host (pinned), not in the device peak\n",
-                       r.name == "model.embed_tokens.weight" ? "offloaded embeddings" : "offloaded activations",
+                       host_record_label(r.name),
                        format_bytes(r.bytes), width);
   out += fmt::format("  parameters: {} frozen, {} trainable; {} allocations planned in {:.3f} s\n",
                      plan.frozen_parameters, plan.trainable_parameters, plan.records.size(),
@@ -114,6 +124,7 @@ std::string fit_advice(const RunConfig& run, const LlamaConfig& model, uint64_t 
       {"--mlp_chunk_tokens 1024 (with checkpointing)", [](RunConfig& r) { const int64_t rows = r.resolved_token_chunk_rows(); if (!r.gradient_checkpointing || (rows > 0 && rows <= 1024) || r.per_device_train_batch_size * r.max_seq_length <= 1024) return false; r.mlp_chunk_tokens = 1024; return true; }},
       {"--offload_activations (with checkpointing)", [](RunConfig& r) { if (r.offload_activations) return false; r.offload_activations = r.gradient_checkpointing = true; return true; }},
       {"--offload_embeddings", [&model](RunConfig& r) { if (r.offload_embeddings || model.tie_word_embeddings) return false; r.offload_embeddings = true; return true; }},
+      {"--offload_optimizer (AdamW's moments in host memory)", [world_size](RunConfig& r) { if (r.offload_optimizer || world_size > 1) return false; r.offload_optimizer = true; return true; }},
       {"halve --per_device_train_batch_size (double accumulation)", [](RunConfig& r) { if (r.per_device_train_batch_size < 2) return false; r.per_device_train_batch_size /= 2; r.gradient_accumulation_steps *= 2; return true; }},
       {"halve --max_seq_length", [](RunConfig& r) { if (r.max_seq_length < 4) return false; r.max_seq_length /= 2; return true; }},
   };

@@ -76,7 +76,8 @@ Engine::Engine(Backend& backend, void* arena, uint64_t arena_bytes, const RunCon
                         : nullptr),
       lora_(LoraState::allocate(memory_, model_, run.lora_config(), precision_dtype(run.precision),
                                 /*with_optimizer=*/!is_data_parallel(communicator),
-                                is_data_parallel(communicator) ? lora_flat_multiple(communicator->world_size()) : 0)),
+                                is_data_parallel(communicator) ? lora_flat_multiple(communicator->world_size()) : 0,
+                                run.offload_optimizer ? &backend : nullptr)),
       grad_norm_sq_(memory_.alloc("optimizer.grad_norm_sq", MemCategory::workspace, DType::f32, Shape{1})),
       backend_workspace_(backend.workspace_bytes() == 0
                              ? Tensor{}
@@ -90,6 +91,9 @@ Engine::Engine(Backend& backend, void* arena, uint64_t arena_bytes, const RunCon
     step_.set_frozen_base_units(sharded_views_.get());
   }
   if (is_data_parallel(communicator)) {
+    MT_USER_CHECK(!run.offload_optimizer,
+                  "--offload_optimizer with data parallel: ZeRO-1 already splits AdamW's moments across the ranks; "
+                  "drop --offload_optimizer");
     MT_USER_CHECK(run.ddp_bucket_cap_mb > 0, "ddp_bucket_cap_mb {}: expected a positive size", run.ddp_bucket_cap_mb);
     DataParallelOptions options;
     options.bucket_bytes = std::max<uint64_t>(1, static_cast<uint64_t>(run.ddp_bucket_cap_mb * (1 << 20)));

@@ -36,6 +36,7 @@ std::set<std::string> apply_run_yaml(const std::filesystem::path& path, RunConfi
       {"mlp_chunk_tokens", set(run.mlp_chunk_tokens)},
       {"offload_activations", set(run.offload_activations)},
       {"offload_embeddings", set(run.offload_embeddings)},
+      {"offload_optimizer", set(run.offload_optimizer)},
       {"ddp_bucket_cap_mb", set(run.ddp_bucket_cap_mb)},
       {"shard_base", set(run.shard_base)},
       {"per_device_train_batch_size", set(run.per_device_train_batch_size)},
