@@ -33,6 +33,8 @@
 #       peer-data  bench/peer_hf.py, QLoRA full stack, 2 x 2048, accumulation 2, on sft-tasks.jsonl x
 #                  DATA_REPEAT with the Llama 3 tokenizer, unpacked (padded to the longest row) and
 #                  packed; then memtune on the same data in each data mode (memtune_peer_data below)
+#                  (PEER_DATA_PACKED=0: the peer unpacked only; PEER_DATA_MEMTUNE=0: the peer only; PEER_ARGS
+#                  come last, so e.g. "--lora-r 32 --lora-alpha 32 --accum 4" gives configuration 2)
 #       memtune-data  the memtune half of peer-data alone (DATA_MODES picks the modes)
 #       peer-context  bench/peer_hf.py --max-context (QLoRA rung at batch 1) under each cap of CONTEXT_CAPS
 #       configs    memtune on issue 21's configurations 1-3 (CONFIGS: a comma list of the variants in
@@ -486,7 +488,9 @@ if has_part peer-data; then
     status=1
   else
     mkdir -p "$WORK/peer-data"
-    for pk in "" "--packing"; do
+    packs=("")
+    [ "${PEER_DATA_PACKED:-1}" = 1 ] && packs+=("--packing")
+    for pk in "${packs[@]}"; do
       name=peer-data${pk:+-packed}
       # shellcheck disable=SC2086
       peer_run "peer-data/$name" "${DATA_TIMEOUT:-240}" 0 python3 "$ROOT/bench/peer_hf.py" $PEER_SHAPE --only qlora \
