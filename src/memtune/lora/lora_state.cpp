@@ -122,19 +122,10 @@ LoraState LoraState::allocate(Memory& memory, const LlamaConfig& model, const Lo
   state.flat_grads_ = memory.alloc("lora.flat_grads", MemCategory::adapter_grads, DType::f32, flat);
   if (with_optimizer && moments_on_host != nullptr) {
     // One host buffer for both moments, the second at the first's end (a multiple of 128 elements).
-    const uint64_t bytes = 2 * static_cast<uint64_t>(layout.total) * sizeof(float);
-    void* base = moments_on_host->allocate_host(bytes);  // null on the meta device: nothing is stored
-    if (base != nullptr) state.host_moments_.reset(base, [moments_on_host](void* p) { moments_on_host->free_host(p); });
-    memory.record_host("lora.flat_exp_avg + lora.flat_exp_avg_sq", bytes);
-    for (Tensor* moment : {&state.flat_exp_avg_, &state.flat_exp_avg_sq_}) {
-      moment->dtype = DType::f32;
-      moment->shape = flat;
-      moment->device = memory.device();  // read and written by the device's kernels in place
-    }
-    if (base != nullptr) {
-      state.flat_exp_avg_.data = base;
-      state.flat_exp_avg_sq_.data = static_cast<float*>(base) + layout.total;
-    }
+    const Tensor both = allocate_host_tensor(*moments_on_host, memory, "lora.flat_exp_avg + lora.flat_exp_avg_sq",
+                                             DType::f32, Shape{2, layout.total}, state.host_moments_);
+    state.flat_exp_avg_ = both.slice_rows(0, 1).view(flat);
+    state.flat_exp_avg_sq_ = both.slice_rows(1, 2).view(flat);
   } else if (with_optimizer) {
     state.flat_exp_avg_ = memory.alloc("lora.flat_exp_avg", MemCategory::optimizer_state, DType::f32, flat);
     state.flat_exp_avg_sq_ = memory.alloc("lora.flat_exp_avg_sq", MemCategory::optimizer_state, DType::f32, flat);

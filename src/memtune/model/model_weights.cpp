@@ -79,13 +79,7 @@ ModelWeights ModelWeights::allocate(Memory& memory, const LlamaConfig& config, D
     }
     Tensor t;
     if (spec.kind == ParamKind::embedding && embeddings_on_host != nullptr) {
-      t.dtype = storage;
-      t.shape = spec.shape;
-      t.device = memory.device();  // read by the device's kernels in place
-      Backend* backend = embeddings_on_host;
-      t.data = backend->allocate_host(t.nbytes());  // null on the meta device: nothing is stored
-      if (t.data != nullptr) weights.host_storage.reset(t.data, [backend](void* p) { backend->free_host(p); });
-      memory.record_host(spec.hf_key, t.nbytes());
+      t = allocate_host_tensor(*embeddings_on_host, memory, spec.hf_key, storage, spec.shape, weights.host_storage);
     } else {
       t = memory.alloc(spec.hf_key, MemCategory::frozen_weights, storage, spec.shape);
     }

@@ -6,6 +6,8 @@
 #include <cstring>
 #include <vector>
 
+#include "memtune/core/memory.h"
+
 namespace memtune {
 
 void* Backend::allocate_host(uint64_t bytes) {
@@ -111,6 +113,18 @@ void Backend::quantize_4bit(Quantized4bit& q, const Tensor& dense, std::string_v
 }
 
 // ---- end QLoRA: quantize on the device ----
+
+Tensor allocate_host_tensor(Backend& backend, Memory& memory, std::string name, DType dtype, Shape shape,
+                            std::shared_ptr<void>& owner) {
+  Tensor t;
+  t.dtype = dtype;
+  t.shape = shape;
+  t.device = memory.device();  // read and written by the device's kernels in place
+  t.data = backend.allocate_host(t.nbytes());
+  if (t.data != nullptr) owner.reset(t.data, [&backend](void* p) { backend.free_host(p); });
+  memory.record_host(std::move(name), t.nbytes());
+  return t;
+}
 
 void copy_from_host_converted(Backend& backend, const Tensor& dst, const void* host, DType host_dtype) {
   if (host_dtype == dst.dtype) {

@@ -19,6 +19,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <string_view>
 
 #include "memtune/core/tensor.h"
@@ -115,6 +116,8 @@ struct Quantized4bit {
 struct CopyEvent {
   int32_t id = -1;
 };
+
+class Memory;
 
 class Backend {
  public:
@@ -353,6 +356,13 @@ void check_quantized4bit_layout(const Quantized4bit& q, std::string_view what);
 // copy_from_host with a dtype conversion on the host (f32/f16/bf16 -> dst.dtype). `host` need
 // not be aligned for its dtype (safetensors data is not).
 void copy_from_host_converted(Backend& backend, const Tensor& dst, const void* host, DType host_dtype);
+
+// A tensor in the backend's host memory (Backend::allocate_host: pinned on CUDA, where the
+// device's kernels read and write it in place through unified addressing), recorded in
+// memory.record_host under `name` so that the plan shows it; `owner` frees it. Its data is null on
+// the meta device, which stores nothing. Host embeddings and the offloaded optimizer use it.
+Tensor allocate_host_tensor(Backend& backend, Memory& memory, std::string name, DType dtype, Shape shape,
+                            std::shared_ptr<void>& owner);
 
 std::unique_ptr<Backend> make_cpu_backend();
 // The meta backend plans for a target device: it reports that device's workspace_bytes().
