@@ -1,19 +1,23 @@
 #!/usr/bin/env bash
-# The device calls of issues 21 and 22 (memtune beside Unsloth, Liger and transformers + PEFT),
-# each a list of scripts/device-check.sh parts with the settings that fit one call (~9 minutes).
-# A call's logs go to $OUT: summary-<part list>.log and results-<n>.tar.gz per device-check run.
+# The device calls of issues 21 and 22 (memtune beside Unsloth, Liger and transformers + PEFT on
+# configurations 1-4, and the data table), three calls of ~9 minutes on one machine held warm
+# between them. A call's logs go to $OUT: summary-<n>-<parts>.log and results-<n>.tar.gz per
+# device-check run.
 #
 #   scripts/device-peers.sh CALL [BIN_DIR]
-#     a   the GPU tests, memtune on configurations 1-3 (CONFIGS below), Unsloth's rungs
-#         (configurations 1 and 3); with BASE_BIN_DIR set (a folder holding an older memtune or
-#         memtune.gz and its libgomp), that binary's qlora and lora16 as the A/B of the change
-#     b   the data peer and memtune's data modes (issue 22's table), Liger and transformers + PEFT on
-#         configurations 1 and 3, Unsloth's benchmark shape (configuration 2)
-#     c   configuration 2 for transformers + PEFT and Liger (unpacked), then the --vram verdict at
-#         its edge (EDGE_VRAM, default 24GiB: memtune's longest context there, trained 2 steps)
-#     d   configuration 4 for the peers: the longest context under a 24 GiB cap (CONTEXT_MIN..MAX)
+#     a   the GPU step tests (TEST_FILTER, default CudaStepTest.*), memtune on configurations 1-3
+#         (CONFIGS below), the data table of issue 22 (memtune's data modes and the transformers +
+#         PEFT data peer), Liger and transformers + PEFT on configurations 1 and 3, then both on
+#         configuration 2 (r32, accumulation 4, unpacked); with BASE_BIN_DIR set (a folder holding an
+#         older memtune or memtune.gz and its libgomp), that binary's qlora and lora16 as an A/B
+#     b   Unsloth: configurations 1 and 3, its benchmark shape (configuration 2), and configuration 4
+#         (the longest context at batch 1 under a 24 GiB cap, CONTEXT_MIN..CONTEXT_MAX), one model
+#         folder written for all three
+#     c   configuration 4 for transformers + PEFT and for Liger (24 GiB cap), then memtune's: the
+#         --vram verdict at its edge (EDGE_VRAM, default 24GiB: the longest context `fit` accepts,
+#         trained 2 steps)
 #   BIN_DIR  prepare-devbin.sh's folder (default .devbin); carry it and .whl.
-# Calls b-d reuse nothing of a: each can run on a fresh machine.
+# Each call reuses nothing of another: each can run on a fresh machine.
 set -u
 CALL=${1:?usage: scripts/device-peers.sh a|b|c|d [BIN_DIR]}
 BIN_DIR=${2:-.devbin}
@@ -41,30 +45,30 @@ check() {
 }
 case "$CALL" in
   a)
-    TEST_TIMEOUT=${TEST_TIMEOUT:-200} CONFIG_STEPS=6 \
-      CONFIGS=${CONFIGS:-qlora,qlora-offload,qlora-offload-opt,lora16,data-merged,data-merged-opt,data-packed} \
+    GTEST_FILTER=${TEST_FILTER:-CudaStepTest.*} TEST_TIMEOUT=${TEST_TIMEOUT:-120} CONFIG_STEPS=6 \
+      CONFIGS=${CONFIGS:-qlora,qlora-offload,qlora-offload-opt,lora16,lora16-offload-opt,data-merged,data-merged-opt,data-packed} \
       check "$BIN_DIR" tests,configs
     [ -n "${BASE_BIN_DIR:-}" ] && CONFIGS=qlora,lora16 CONFIG_STEPS=6 check "$BASE_BIN_DIR" configs
-    UNSLOTH_STEPS=4 UNSLOTH_TIMEOUT=${UNSLOTH_TIMEOUT:-230} check "$BIN_DIR" unsloth
-    ;;
-  b)
     DATA_MODES=synthetic,unpacked,grouped,padding_free,packed DATA_STEPS=6 DATA_TIMEOUT=90 check "$BIN_DIR" peer-data
     LIGER_STEPS=3 LIGER_ARGS="--only flash,qlora" LIGER_TIMEOUT=120 LADDER_STEPS=3 PEER_ARGS="--only flash,qlora" \
-      PEER_TIMEOUT=120 UNSLOTH_STEPS=4 UNSLOTH_TIMEOUT=200 check "$BIN_DIR" liger,peer,unsloth-data
-    ;;
-  c)
+      PEER_TIMEOUT=120 check "$BIN_DIR" liger,peer
     # Configuration 2: r32, batch 2 x accumulation 4, unpacked (PEER_ARGS come last and win).
     C2="--lora-r 32 --lora-alpha 32 --accum 4 --steps 4"
-    PEER_DATA_MEMTUNE=0 PEER_DATA_PACKED=0 DATA_TIMEOUT=150 PEER_ARGS="$C2" check "$BIN_DIR" peer-data
-    PEER_DATA_MEMTUNE=0 PEER_DATA_PACKED=0 DATA_TIMEOUT=150 PEER_ARGS="$C2 --liger" check "$BIN_DIR" peer-data
-    EDGE_VRAM=${EDGE_VRAM:-24GiB} EDGE_STEPS=2 EDGE_TIMEOUT=${EDGE_TIMEOUT:-300} check "$BIN_DIR" edge
+    PEER_DATA_MEMTUNE=0 PEER_DATA_PACKED=0 DATA_TIMEOUT=100 PEER_ARGS="$C2" check "$BIN_DIR" peer-data
+    PEER_DATA_MEMTUNE=0 PEER_DATA_PACKED=0 DATA_TIMEOUT=100 PEER_ARGS="$C2 --liger" check "$BIN_DIR" peer-data
     ;;
-  d)
-    CONTEXT_CAPS=24 CONTEXT_MIN=${CONTEXT_MIN:-65536} CONTEXT_MAX=${CONTEXT_MAX:-98304} CONTEXT_UNIT=8192 \
-      CONTEXT_TIMEOUT=420 PROBE_TIMEOUT=150 check "$BIN_DIR" unsloth-context
-    CONTEXT_CAPS=24 CONTEXT_MIN=8192 CONTEXT_MAX=65536 CONTEXT_UNIT=8192 CONTEXT_TIMEOUT=150 PROBE_TIMEOUT=60 \
+  b)
+    UNSLOTH_STEPS=4 UNSLOTH_TIMEOUT=${UNSLOTH_TIMEOUT:-220} CONTEXT_CAPS=24 CONTEXT_MIN=${CONTEXT_MIN:-65536} \
+      CONTEXT_MAX=${CONTEXT_MAX:-90112} CONTEXT_UNIT=8192 CONTEXT_TIMEOUT=${CONTEXT_TIMEOUT:-220} PROBE_TIMEOUT=110 \
+      check "$BIN_DIR" unsloth,unsloth-data,unsloth-context
+    ;;
+  c)
+    CONTEXT_CAPS=24 CONTEXT_MIN=8192 CONTEXT_MAX=49152 CONTEXT_UNIT=8192 CONTEXT_TIMEOUT=140 PROBE_TIMEOUT=60 \
       check "$BIN_DIR" peer-context
+    CONTEXT_CAPS=24 CONTEXT_MIN=16384 CONTEXT_MAX=98304 CONTEXT_UNIT=8192 CONTEXT_TIMEOUT=140 PROBE_TIMEOUT=60 \
+      PEER_ARGS="--liger" check "$BIN_DIR" peer-context
+    EDGE_VRAM=${EDGE_VRAM:-24GiB} EDGE_STEPS=2 EDGE_TIMEOUT=${EDGE_TIMEOUT:-270} check "$BIN_DIR" edge
     ;;
-  *) echo "device-peers: unknown call $CALL (a, b, c or d)" >&2; exit 2 ;;
+  *) echo "device-peers: unknown call $CALL (a, b or c)" >&2; exit 2 ;;
 esac
 echo "== $(date -u +%T) done" | tee -a "$OUT/dates.txt"
