@@ -5,17 +5,17 @@
 # device-check run.
 #
 #   scripts/device-peers.sh CALL [BIN_DIR]
-#     a   the GPU step tests (TEST_FILTER, default CudaStepTest.*), memtune on configurations 1-3
+#     a   the GPU step tests (TEST_FILTER, default CudaStepTest.Offload*), memtune on configurations 1-3
 #         (CONFIGS below), the data table of issue 22 (memtune's data modes and the transformers +
 #         PEFT data peer), Liger and transformers + PEFT on configurations 1 and 3, then both on
 #         configuration 2 (r32, accumulation 4, unpacked); with BASE_BIN_DIR set (a folder holding an
 #         older memtune or memtune.gz and its libgomp), that binary's qlora and lora16 as an A/B
-#     b   Unsloth: configurations 1 and 3, its benchmark shape (configuration 2), and configuration 4
-#         (the longest context at batch 1 under a 24 GiB cap, CONTEXT_MIN..CONTEXT_MAX), one model
-#         folder written for all three
-#     c   configuration 4 for transformers + PEFT and for Liger (24 GiB cap), then memtune's: the
-#         --vram verdict at its edge (EDGE_VRAM, default 24GiB: the longest context `fit` accepts,
-#         trained 2 steps)
+#     b   Unsloth: configuration 4 (the longest context at batch 1 under a 24 GiB cap, bisection over
+#         CONTEXT_MIN..CONTEXT_MAX), then configurations 1 and 3 and its benchmark shape
+#         (configuration 2); the model folder is written once for all of them
+#     c   configuration 4: memtune's (the --vram verdict at its edge, EDGE_VRAM, default 24GiB: the
+#         longest context `fit` accepts, trained 2 steps), then transformers + PEFT's and Liger's under
+#         a 24 GiB cap
 #   BIN_DIR  prepare-devbin.sh's folder (default .devbin); carry it and .whl.
 # Each call reuses nothing of another: each can run on a fresh machine.
 set -u
@@ -45,7 +45,7 @@ check() {
 }
 case "$CALL" in
   a)
-    GTEST_FILTER=${TEST_FILTER:-CudaStepTest.*} TEST_TIMEOUT=${TEST_TIMEOUT:-120} CONFIG_STEPS=6 \
+    GTEST_FILTER=${TEST_FILTER:-CudaStepTest.Offload*} TEST_TIMEOUT=${TEST_TIMEOUT:-60} CONFIG_STEPS=6 \
       CONFIGS=${CONFIGS:-qlora,qlora-offload,qlora-offload-opt,lora16,lora16-offload-opt,data-merged,data-merged-opt,data-packed} \
       check "$BIN_DIR" tests,configs
     [ -n "${BASE_BIN_DIR:-}" ] && CONFIGS=qlora,lora16 CONFIG_STEPS=6 check "$BASE_BIN_DIR" configs
@@ -58,16 +58,18 @@ case "$CALL" in
     PEER_DATA_MEMTUNE=0 PEER_DATA_PACKED=0 DATA_TIMEOUT=100 PEER_ARGS="$C2 --liger" check "$BIN_DIR" peer-data
     ;;
   b)
-    UNSLOTH_STEPS=4 UNSLOTH_TIMEOUT=${UNSLOTH_TIMEOUT:-220} CONTEXT_CAPS=24 CONTEXT_MIN=${CONTEXT_MIN:-65536} \
-      CONTEXT_MAX=${CONTEXT_MAX:-90112} CONTEXT_UNIT=8192 CONTEXT_TIMEOUT=${CONTEXT_TIMEOUT:-220} PROBE_TIMEOUT=110 \
-      check "$BIN_DIR" unsloth,unsloth-data,unsloth-context
+    # The longest context first (nothing else measures it); the model folder it writes is reused.
+    CONTEXT_CAPS=24 CONTEXT_MIN=${CONTEXT_MIN:-73728} CONTEXT_MAX=${CONTEXT_MAX:-90112} CONTEXT_UNIT=8192 \
+      CONTEXT_TIMEOUT=${CONTEXT_TIMEOUT:-300} PROBE_TIMEOUT=120 check "$BIN_DIR" unsloth-context
+    UNSLOTH_STEPS=4 UNSLOTH_TIMEOUT=${UNSLOTH_TIMEOUT:-200} check "$BIN_DIR" unsloth,unsloth-data
     ;;
   c)
-    CONTEXT_CAPS=24 CONTEXT_MIN=8192 CONTEXT_MAX=49152 CONTEXT_UNIT=8192 CONTEXT_TIMEOUT=140 PROBE_TIMEOUT=60 \
-      check "$BIN_DIR" peer-context
-    CONTEXT_CAPS=24 CONTEXT_MIN=16384 CONTEXT_MAX=98304 CONTEXT_UNIT=8192 CONTEXT_TIMEOUT=140 PROBE_TIMEOUT=60 \
-      PEER_ARGS="--liger" check "$BIN_DIR" peer-context
+    # memtune's configuration 4 first: the longest context that `fit` accepts under 24 GiB, trained.
     EDGE_VRAM=${EDGE_VRAM:-24GiB} EDGE_STEPS=2 EDGE_TIMEOUT=${EDGE_TIMEOUT:-270} check "$BIN_DIR" edge
+    CONTEXT_CAPS=24 CONTEXT_MIN=8192 CONTEXT_MAX=40960 CONTEXT_UNIT=8192 CONTEXT_TIMEOUT=150 PROBE_TIMEOUT=50 \
+      check "$BIN_DIR" peer-context
+    CONTEXT_CAPS=24 CONTEXT_MIN=16384 CONTEXT_MAX=98304 CONTEXT_UNIT=8192 CONTEXT_TIMEOUT=150 PROBE_TIMEOUT=50 \
+      PEER_ARGS="--liger" check "$BIN_DIR" peer-context
     ;;
   *) echo "device-peers: unknown call $CALL (a, b or c)" >&2; exit 2 ;;
 esac
