@@ -1,0 +1,222 @@
+#!/usr/bin/env python3
+"""Issue 21's tables from one session's device results: memtune beside Unsloth, transformers + PEFT
++ bitsandbytes + Liger and transformers + PEFT + bitsandbytes on configurations 1-4, and issue 22's
+data table, in Markdown.
+
+    python3 bench/peers_table.py RESULTS_DIR [--json]
+
+RESULTS_DIR holds the unpacked results of scripts/device-peers.sh's calls (each results-N.tar.gz
+unpacked into a folder of its own, anywhere below RESULTS_DIR). Every figure is read from the files:
+  memtune   configs/<variant>.jsonl + .smi (device-check's configs part), peer-data/memtune-<mode>.jsonl
+            + .smi, and edge/ (fit.json, metrics.jsonl, smi.log): tokens/s over the steps after the
+            first two (bench/data_modes.py), device peak = nvidia-smi's maximum
+  peers     every *.json with a "tool" and "rungs" (bench/peer_hf.py, bench/peer_unsloth.py), sorted
+            into a configuration by what it ran (LoRA rank, accumulation, data, packing, --max-context)
+A figure that is missing prints as "not run"; nothing is filled in from elsewhere.
+"""
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from data_modes import summarise  # noqa: E402
+
+MIB = 2 ** 20
+GIB = 2 ** 30
+
+
+def walk(root):
+    for folder, _, files in os.walk(root):
+        for name in files:
+            yield os.path.join(folder, name)
+
+
+def load_json(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def tool_label(report):
+    tool = report.get("tool", "")
+    if tool == "unsloth":
+        return "Unsloth"
+    if report.get("config", {}).get("liger"):
+        return "transformers + PEFT + bnb + Liger"
+    return "transformers + PEFT + bnb"
+
+
+def rung_kind(rung):
+    """'qlora' or '16-bit' for a ladder rung of a peer report (the rung names of bench/peer_common)."""
+    name = rung.get("name", "")
+    if "QLoRA" in name or rung.get("added") == "qlora":
+        return "qlora"
+    if "flash" in name or rung.get("added") == "flash":
+        return "16-bit"
+    return None
+
+
+def collect(root):
+    """Every measured figure under root, keyed by (configuration, tool label, variant)."""
+    rows = {"1": {}, "2": {}, "3": {}, "4": {}, "data": {}}
+    devices, commits = set(), set()
+    for path in walk(root):
+        base = os.path.basename(path)
+        if base == "device.txt":
+            with open(path) as f:
+                for line in f:
+                    if line.strip() and not line.startswith("name,"):
+                        devices.add(line.strip())
+        elif base == "commit.txt":
+            with open(path) as f:
+                commits.add(f.read().strip())
+        elif base.endswith(".jsonl") and os.path.basename(os.path.dirname(path)) in ("configs", "peer-data"):
+            name = base[:-len(".jsonl")]
+            smi = path[:-len(".jsonl")] + ".smi"
+            try:
+                s = summarise(path, smi if os.path.exists(smi) else None)
+            except (OSError, ValueError, KeyError):
+                continue
+            if not s["steps_timed"]:
+                continue
+            figure = {"tokens_per_second": s["tokens_per_second"], "targets_per_second": s["targets_per_second"],
+                      "padding": s["padding_fraction"], "device_peak_bytes": (s.get("device_peak_mib") or 0) * MIB,
+                      "source": path}
+            folder = os.path.basename(os.path.dirname(path))
+            if folder == "peer-data":
+                rows["data"][("memtune", name.replace("memtune-", ""))] = figure
+            elif name.startswith("qlora"):
+                rows["1"][("memtune", name)] = figure
+            elif name.startswith("lora16"):
+                rows["3"][("memtune", name)] = figure
+            elif name.startswith("data-"):
+                rows["2"][("memtune", name)] = figure
+        elif base == "fit.json" and os.path.basename(os.path.dirname(path)) == "edge":
+            edge = os.path.dirname(path)
+            fit = load_json(path) or {}
+            metrics = os.path.join(edge, "metrics.jsonl")
+            figure = {"seq": (fit.get("with_offload") or {}).get("seq"), "budget_bytes": fit.get("budget_bytes"),
+                      "source": edge}
+            if os.path.exists(metrics):
+                try:
+                    s = summarise(metrics, os.path.join(edge, "smi.log"), skip=0)
+                    figure.update(tokens_per_second=s["tokens_per_second"], steps=s["steps_timed"],
+                                  device_peak_bytes=(s.get("device_peak_mib") or 0) * MIB)
+                except (OSError, ValueError, KeyError):
+                    pass
+            rows["4"][("memtune", "edge")] = figure
+        elif base.endswith(".json"):
+            report = load_json(path)
+            if not isinstance(report, dict) or "rungs" not in report or "tool" not in report:
+                continue
+            devices.add(str(report.get("device", "")))
+            label, cfg = tool_label(report), report.get("config", {})
+            if report.get("max_context"):
+                mc = report["max_context"]
+                run = mc.get("run") or {}
+                rows["4"][(label, f"cap {mc.get('cap_gib'):g} GiB")] = {
+                    "seq": mc.get("max_seq"), "range": mc.get("range"), "probes": mc.get("probes"),
+                    "tokens_per_second": run.get("tokens_per_second") if run.get("measured") else None,
+                    "device_peak_bytes": run.get("device_peak_bytes"), "source": path}
+                continue
+            for rung in report["rungs"]:
+                if not rung.get("measured"):
+                    continue
+                figure = {"tokens_per_second": rung.get("tokens_per_second"),
+                          "real_tokens_per_second": rung.get("real_tokens_per_second"),
+                          "targets_per_second": rung.get("target_tokens_per_second"),
+                          "device_peak_bytes": rung.get("device_peak_bytes"), "source": path}
+                if cfg.get("packing") is not None:   # real data
+                    shape = "2" if cfg.get("lora_r") == 32 and cfg.get("gradient_accumulation_steps") == 4 else "data"
+                    rows[shape][(label, "packed" if cfg.get("packing") else "unpacked")] = figure
+                elif rung_kind(rung) == "qlora":
+                    rows["1"][(label, "qlora")] = figure
+                elif rung_kind(rung) == "16-bit":
+                    rows["3"][(label, "16-bit")] = figure
+    return rows, sorted(d for d in devices if d), sorted(commits)
+
+
+def fmt_tps(x):
+    return "not run" if x is None else f"{x:,.0f}"
+
+
+def fmt_peak(b):
+    return "-" if not b else f"{b / MIB:,.0f} MiB ({b / GIB:.2f} GiB)"
+
+
+def ratio(a, b):
+    return "-" if not a or not b else f"{a / b:.2f}x"
+
+
+def speed_memory_table(title, group, unsloth_key, speed_field="tokens_per_second"):
+    lines = [f"### {title}", "", "| tool | variant | tokens/s | device peak | x Unsloth (speed, peak) |",
+             "|---|---|---:|---:|---|"]
+    base = group.get(unsloth_key) or {}
+    for (tool, variant), f in sorted(group.items(), key=lambda kv: (kv[0][0] != "memtune", kv[0])):
+        tps = f.get(speed_field) or f.get("tokens_per_second")
+        ref = base.get(speed_field) or base.get("tokens_per_second")
+        vs = "" if (tool, variant) == unsloth_key else f"{ratio(tps, ref)}, {ratio(f.get('device_peak_bytes'), base.get('device_peak_bytes'))}"
+        lines.append(f"| {tool} | {variant} | {fmt_tps(tps)} | {fmt_peak(f.get('device_peak_bytes'))} | {vs} |")
+    if not base:
+        lines.append("")
+        lines.append("(Unsloth's figure for this configuration is not in these results.)")
+    return "\n".join(lines) + "\n"
+
+
+def context_table(group):
+    lines = ["### Configuration 4: the longest trainable context at batch 1", "",
+             "| tool | cap | longest length | searched | tokens/s there | device peak there |",
+             "|---|---|---:|---|---:|---:|"]
+    for (tool, variant), f in sorted(group.items(), key=lambda kv: (kv[0][0] != "memtune", kv[0])):
+        if tool == "memtune":
+            cap = f"--vram {f['budget_bytes'] / GIB:g} GiB" if f.get("budget_bytes") else "--vram"
+            searched = "the plan (`fit --max-context`, offload on), trained at it"
+        else:
+            cap = variant
+            r = f.get("range") or ["?", "?"]
+            fails = [p["seq"] for p in (f.get("probes") or []) if not p.get("fits")]
+            searched = f"bisection in [{r[0]}, {r[1]}]" + (f"; failed at {', '.join(map(str, fails))}" if fails else "")
+        seq = f.get("seq")
+        lines.append(f"| {tool} | {cap} | {seq if seq else 'none in range'} | {searched} | "
+                     f"{fmt_tps(f.get('tokens_per_second'))} | {fmt_peak(f.get('device_peak_bytes'))} |")
+    return "\n".join(lines) + "\n"
+
+
+def data_table(group):
+    lines = ["### Issue 22: real data (sft-tasks.jsonl x 30, Llama 3 tokenizer, QLoRA full stack, 2 x 2048, accumulation 2)", "",
+             "| tool | mode | tokens of samples / s | trained targets / s | padding computed | device peak |",
+             "|---|---|---:|---:|---:|---:|"]
+    for (tool, mode), f in sorted(group.items(), key=lambda kv: (kv[0][0] != "memtune", kv[0])):
+        real = f.get("real_tokens_per_second") or f.get("tokens_per_second")
+        pad = f.get("padding")
+        lines.append(f"| {tool} | {mode} | {fmt_tps(real)} | {fmt_tps(f.get('targets_per_second'))} | "
+                     f"{'-' if pad is None else f'{100 * pad:.1f}%'} | {fmt_peak(f.get('device_peak_bytes'))} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv):
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0 if argv else 2
+    rows, devices, commits = collect(argv[0])
+    if "--json" in argv:
+        print(json.dumps({k: {" / ".join(key): v for key, v in g.items()} for k, g in rows.items()}, indent=1))
+        return 0
+    print(f"devices: {'; '.join(devices) or 'unknown'}")
+    print(f"memtune binaries: {', '.join(commits) or 'unknown'}\n")
+    print(speed_memory_table("Configuration 1: QLoRA, 2 x 2048, accumulation 2, r16, random ids", rows["1"],
+                             ("Unsloth", "qlora")))
+    print(speed_memory_table("Configuration 2: QLoRA, 2 x 2048, accumulation 4, r32, sft-tasks.jsonl x 30 "
+                             "(tokens of samples / s)", rows["2"], ("Unsloth", "unpacked"),
+                             speed_field="real_tokens_per_second"))
+    print(speed_memory_table("Configuration 3: 16-bit LoRA, 2 x 2048, accumulation 2, r16, random ids", rows["3"],
+                             ("Unsloth", "16-bit")))
+    print(context_table(rows["4"]))
+    print(data_table(rows["data"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
