@@ -14,6 +14,7 @@ unpacked into a folder of its own, anywhere below RESULTS_DIR). Every figure is 
             into a configuration by what it ran (LoRA rank, accumulation, data, packing, --max-context)
 A figure that is missing prints as "not run"; nothing is filled in from elsewhere.
 """
+import hashlib
 import json
 import os
 import sys
@@ -58,17 +59,41 @@ def rung_kind(rung):
     return None
 
 
+def merge_searches(old, new):
+    """Two context searches of one tool under one cap (e.g. a second call narrowing the range): one
+    row with every probe, both ranges, and the longer length that was found with its timed run."""
+    if old is None:
+        return new
+    # The longest length whose timed run went through; a longer one whose timed run failed is named.
+    searches = [old, new]
+    timed = [f for f in searches if f.get("seq") and not f.get("run_error")]
+    best = max(timed or searches, key=lambda f: f.get("seq") or 0)
+    merged = dict(best)
+    failed = [f["seq"] for f in searches if f.get("run_error") and (f.get("seq") or 0) > (best.get("seq") or 0)]
+    failed += [old.get("longer_failed") or 0, new.get("longer_failed") or 0]
+    merged["longer_failed"] = max(failed) or None
+    merged["probes"] = old["probes"] + new["probes"]
+    merged["ranges"] = sorted((old.get("ranges") or [old.get("range")]) + (new.get("ranges") or [new.get("range")]))
+    return merged
+
+
 def collect(root):
     """Every measured figure under root, keyed by (configuration, tool label, variant)."""
     rows = {"1": {}, "2": {}, "3": {}, "4": {}, "data": {}}
-    devices, commits = set(), set()
+    devices, commits, seen = set(), set(), set()
     for path in walk(root):
         base = os.path.basename(path)
+        # The same file can be unpacked twice (a work folder reused by a later call on one machine).
+        with open(path, "rb") as f:
+            digest = (base, hashlib.sha256(f.read()).hexdigest())
+        if digest in seen:
+            continue
+        seen.add(digest)
         if base == "device.txt":
             with open(path) as f:
                 for line in f:
                     if line.strip() and not line.startswith("name,"):
-                        devices.add(line.strip())
+                        devices.add(line.split(",")[0].strip())
         elif base == "commit.txt":
             with open(path) as f:
                 commits.add(f.read().strip())
@@ -116,10 +141,12 @@ def collect(root):
             if report.get("max_context"):
                 mc = report["max_context"]
                 run = mc.get("run") or {}
-                rows["4"][(label, f"cap {mc.get('cap_gib'):g} GiB")] = {
-                    "seq": mc.get("max_seq"), "range": mc.get("range"), "probes": mc.get("probes"),
-                    "tokens_per_second": run.get("tokens_per_second") if run.get("measured") else None,
-                    "device_peak_bytes": run.get("device_peak_bytes"), "source": path}
+                key = (label, f"cap {mc.get('cap_gib'):g} GiB")
+                figure = {"seq": mc.get("max_seq"), "range": mc.get("range"), "probes": mc.get("probes") or [],
+                          "run_error": None if run.get("measured") or not mc.get("max_seq") else run.get("error"),
+                          "tokens_per_second": run.get("tokens_per_second") if run.get("measured") else None,
+                          "device_peak_bytes": run.get("device_peak_bytes"), "source": path}
+                rows["4"][key] = merge_searches(rows["4"].get(key), figure)
                 continue
             for rung in report["rungs"]:
                 if not rung.get("measured"):
@@ -175,11 +202,21 @@ def context_table(group):
             searched = "the plan (`fit --max-context`, offload on), trained at it"
         else:
             cap = variant
-            r = f.get("range") or ["?", "?"]
-            fails = [p["seq"] for p in (f.get("probes") or []) if not p.get("fits")]
-            searched = f"bisection in [{r[0]}, {r[1]}]" + (f"; failed at {', '.join(map(str, fails))}" if fails else "")
+            ranges = f.get("ranges") or [f.get("range") or ["?", "?"]]
+            probes = f.get("probes") or []
+            fits = sorted(p["seq"] for p in probes if p.get("fits"))
+            fails = sorted(p["seq"] for p in probes if not p.get("fits"))
+            searched = ("bisection in " + " and ".join(f"[{r[0]}, {r[1]}]" for r in ranges)
+                        + (f"; a step ran at {', '.join(map(str, fits))}" if fits else "")
+                        + (f"; out of memory at {', '.join(map(str, fails))}" if fails else ""))
         seq = f.get("seq")
-        lines.append(f"| {tool} | {cap} | {seq if seq else 'none in range'} | {searched} | "
+        if not seq:
+            seq = "none in range"
+        elif f.get("run_error"):
+            seq = f"{seq}: its 1-step probe ran, the timed run did not ({f['run_error']})"
+        if f.get("longer_failed"):
+            seq = f"{seq} ({f['longer_failed']}: its 1-step probe ran, the timed run did not)"
+        lines.append(f"| {tool} | {cap} | {seq} | {searched} | "
                      f"{fmt_tps(f.get('tokens_per_second'))} | {fmt_peak(f.get('device_peak_bytes'))} |")
     return "\n".join(lines) + "\n"
 

@@ -83,7 +83,23 @@ class PeersTableTest(unittest.TestCase):
         self.assertIn("| 300 |", table2)
         self.assertIn("not in these results", table2)
         ctx = peers_table.context_table(self.rows["4"])
-        self.assertIn("| 16384 | bisection in [8192, 40960]; failed at 24576 | 3,000 |", ctx)
+        self.assertIn("| 16384 | bisection in [8192, 40960]; a step ran at 16384; out of memory at 24576 | 3,000 |", ctx)
+
+    def test_two_searches_under_one_cap_are_one_row(self):
+        # A second call searched lower: 49,152 ran its probe step, but the timed run there failed.
+        second = {"tool": "transformers+peft+bnb", "device": "NVIDIA H200", "config": {"liger": False},
+                  "rungs": [], "max_context": {"cap_gib": 24, "range": [32768, 49152], "max_seq": 49152,
+                                               "probes": [{"seq": 49152, "fits": True}],
+                                               "run": {"measured": False, "error": "CUDA out of memory"}}}
+        write(f"{self.tmp.name}/call4/run1/peer-context-24.json", json.dumps(second))
+        # The same file unpacked twice (a reused work folder) counts once.
+        write(f"{self.tmp.name}/call4/run2/peer-context-24.json", json.dumps(second))
+        rows, _, _ = peers_table.collect(self.tmp.name)
+        ctx = peers_table.context_table(rows["4"])
+        # The longest timed length stays the answer; the longer one whose timed run failed is named.
+        self.assertIn("| 16384 (49152: its 1-step probe ran, the timed run did not) | "
+                      "bisection in [8192, 40960] and [32768, 49152]; a step ran at 16384, 49152; "
+                      "out of memory at 24576 | 3,000 |", ctx)
 
 
 if __name__ == "__main__":

@@ -40,7 +40,8 @@ check() {
   local bin=$1 parts=$2
   n=$((n + 1))
   echo "== $(date -u +%T) device-check $bin $parts" | tee -a "$OUT/dates.txt"
-  WORK=/tmp/mt-peers-$n bash "$ROOT/scripts/device-check.sh" "$bin" "$parts" 2>&1 | tee "$OUT/summary-$n-${parts//,/_}.log" | tail -c 5000
+  rm -rf "/tmp/mt-peers-$CALL-$n"  # a warm machine keeps /tmp: no earlier call's files in this tarball
+  WORK=/tmp/mt-peers-$CALL-$n bash "$ROOT/scripts/device-check.sh" "$bin" "$parts" 2>&1 | tee "$OUT/summary-$n-${parts//,/_}.log" | tail -c 5000
   [ -f "$OUT/results.tar.gz" ] && mv "$OUT/results.tar.gz" "$OUT/results-$n.tar.gz"
 }
 case "$CALL" in
