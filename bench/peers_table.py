@@ -123,15 +123,21 @@ def collect(root):
             fit = load_json(path) or {}
             metrics = os.path.join(edge, "metrics.jsonl")
             figure = {"seq": (fit.get("with_offload") or {}).get("seq"), "budget_bytes": fit.get("budget_bytes"),
-                      "source": edge}
+                      "offload": True, "source": edge}
             if os.path.exists(metrics):
                 try:
                     s = summarise(metrics, os.path.join(edge, "smi.log"), skip=0)
                     figure.update(tokens_per_second=s["tokens_per_second"], steps=s["steps_timed"],
                                   device_peak_bytes=(s.get("device_peak_mib") or 0) * MIB)
-                except (OSError, ValueError, KeyError):
+                    # The length trained (batch 1, no accumulation: a step's tokens), and which of
+                    # fit's two lengths it was (device-check's EDGE_OFFLOAD).
+                    trained = s["tokens"] // max(1, s["steps_timed"])
+                    if trained and trained == (fit.get("without_offload") or {}).get("seq"):
+                        figure.update(seq=trained, offload=False)
+                except (OSError, ValueError, KeyError, ZeroDivisionError):
                     pass
-            rows["4"][("memtune", "edge")] = figure
+            budget = fit.get("budget_bytes")
+            rows["4"][("memtune", f"{budget / GIB:g} GiB" if budget else "edge")] = figure
         elif base.endswith(".json"):
             report = load_json(path)
             if not isinstance(report, dict) or "rungs" not in report or "tool" not in report:
@@ -199,7 +205,8 @@ def context_table(group):
     for (tool, variant), f in sorted(group.items(), key=lambda kv: (kv[0][0] != "memtune", kv[0])):
         if tool == "memtune":
             cap = f"--vram {f['budget_bytes'] / GIB:g} GiB" if f.get("budget_bytes") else "--vram"
-            searched = "the plan (`fit --max-context`, offload on), trained at it"
+            searched = (f"the plan (`fit --max-context`, activation offload {'on' if f.get('offload') else 'off'}), "
+                        "trained at it")
         else:
             cap = variant
             ranges = f.get("ranges") or [f.get("range") or ["?", "?"]]

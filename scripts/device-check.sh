@@ -45,8 +45,9 @@
 #                  there, stripped), FUZZ_RUNS (10M) executions a target, FUZZ_JOBS processes a
 #                  target (default: cores less 2, over the five targets), FUZZ_TIMEOUT (420 s)
 #       edge       the --vram verdict at its edge: `memtune fit --max-context --vram EDGE_VRAM` (24GiB),
-#                  then `memtune train` at the longest length it found with offload, for EDGE_STEPS (2)
-#                  steps under the same --vram; nvidia-smi's maximum against the budget
+#                  then `memtune train` at the longest length it found with offload (EDGE_OFFLOAD=0:
+#                  without), for EDGE_STEPS (2) steps under the same --vram; nvidia-smi's maximum
+#                  against the budget
 #   The unsloth, unsloth-data, unsloth-context, liger, peer-data and peer-context parts are
 #   independent of each other and of the others: each installs the wheels in .whl/ it needs
 #   (carry .whl; bench/install_peer_wheels.sh --prepare-bnb --prepare-unsloth --prepare-liger).
@@ -390,12 +391,16 @@ if has_part edge; then
   EDGE_FLAGS="--attn_implementation auto --offload_embeddings"
   "$BIN_DIR/memtune" fit --model llama-3.1-8b --vram "$EDGE_VRAM" --max-context --json $EDGE_FLAGS > "$E/fit.json" 2> "$E/fit.log"
   cat "$E/fit.json"
-  edge_seq=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['with_offload']['seq'])" "$E/fit.json" 2>/dev/null)
+  # EDGE_OFFLOAD=0: the longest length without activation offload, trained without it (under a
+  # large budget the offloaded length is bounded by host memory and takes minutes a step).
+  EDGE_KEY=with_offload; EDGE_TRAIN_OFFLOAD=--offload_activations
+  [ "${EDGE_OFFLOAD:-1}" = 0 ] && { EDGE_KEY=without_offload; EDGE_TRAIN_OFFLOAD=; }
+  edge_seq=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))[sys.argv[2]]['seq'])" "$E/fit.json" "$EDGE_KEY" 2>/dev/null)
   if [ -n "$edge_seq" ] && [ "$edge_seq" -gt 0 ]; then
     nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 100 > "$E/smi.log" 2>&1 &
     sampler=$!
     timeout "${EDGE_TIMEOUT:-300}" "$BIN_DIR/memtune" train --device cuda --model llama-3.1-8b --load_in_4bit --bf16 \
-      --gradient_checkpointing --loss_implementation chunked --mlp_chunk_tokens 1024 --offload_activations $EDGE_FLAGS \
+      --gradient_checkpointing --loss_implementation chunked --mlp_chunk_tokens 1024 $EDGE_TRAIN_OFFLOAD $EDGE_FLAGS \
       --batch 1 --accum 1 --seq "$edge_seq" --max_steps "${EDGE_STEPS:-2}" --vram "$EDGE_VRAM" \
       --metrics "$E/metrics.jsonl" > "$E/train.log" 2>&1
     rc=$?

@@ -16,6 +16,9 @@
 #     c   configuration 4: memtune's (the --vram verdict at its edge, EDGE_VRAM, default 24GiB: the
 #         longest context `fit` accepts, trained 2 steps), then transformers + PEFT's and Liger's under
 #         a 24 GiB cap
+#     d   configuration 4 under the large cap (BIG_CAP, default 80 GiB): memtune's edge (1 step),
+#         transformers + PEFT's and Liger's longest context
+#     e   configuration 4 under the large cap for Unsloth
 #   BIN_DIR  prepare-devbin.sh's folder (default .devbin); carry it and .whl.
 # Each call reuses nothing of another: each can run on a fresh machine.
 set -u
@@ -72,6 +75,24 @@ case "$CALL" in
     CONTEXT_CAPS=24 CONTEXT_MIN=16384 CONTEXT_MAX=98304 CONTEXT_UNIT=8192 CONTEXT_TIMEOUT=150 PROBE_TIMEOUT=50 \
       PEER_ARGS="--liger" check "$BIN_DIR" peer-context
     ;;
-  *) echo "device-peers: unknown call $CALL (a, b or c)" >&2; exit 2 ;;
+  d)
+    # Configuration 4 under the large cap (BIG_CAP GiB, default 80; an H100 80GB holds 79.2 GiB, so
+    # 79 there): memtune's edge without activation offload (one step: ~240k tokens; with offload
+    # the length is bounded by host memory and a step takes minutes), then transformers + PEFT's
+    # and Liger's longest context.
+    BIG_CAP=${BIG_CAP:-80}
+    EDGE_VRAM=${BIG_CAP}GiB EDGE_OFFLOAD=0 EDGE_STEPS=1 EDGE_TIMEOUT=${EDGE_TIMEOUT:-300} check "$BIN_DIR" edge
+    CONTEXT_CAPS=$BIG_CAP CONTEXT_MIN=16384 CONTEXT_MAX=81920 CONTEXT_UNIT=16384 CONTEXT_TIMEOUT=120 PROBE_TIMEOUT=50 \
+      check "$BIN_DIR" peer-context
+    CONTEXT_CAPS=$BIG_CAP CONTEXT_MIN=65536 CONTEXT_MAX=196608 CONTEXT_UNIT=16384 CONTEXT_TIMEOUT=150 PROBE_TIMEOUT=70 \
+      PEER_ARGS="--liger" check "$BIN_DIR" peer-context
+    ;;
+  e)
+    # Unsloth's longest context under the large cap.
+    BIG_CAP=${BIG_CAP:-80}
+    CONTEXT_CAPS=$BIG_CAP CONTEXT_MIN=${CONTEXT_MIN:-131072} CONTEXT_MAX=${CONTEXT_MAX:-262144} CONTEXT_UNIT=16384 \
+      CONTEXT_TIMEOUT=${CONTEXT_TIMEOUT:-540} PROBE_TIMEOUT=150 check "$BIN_DIR" unsloth-context
+    ;;
+  *) echo "device-peers: unknown call $CALL (a, b, c, d or e)" >&2; exit 2 ;;
 esac
 echo "== $(date -u +%T) done" | tee -a "$OUT/dates.txt"
