@@ -183,11 +183,21 @@ def ratio(a, b):
     return "-" if not a or not b else f"{a / b:.2f}x"
 
 
+def table_start(title, columns, aligns):
+    """A Markdown table's title and header lines."""
+    return [f"### {title}", "", "| " + " | ".join(columns) + " |", "|" + "|".join(aligns) + "|"]
+
+
+def memtune_first(group):
+    """A table's rows: memtune's first, then the peers, each in name order."""
+    return sorted(group.items(), key=lambda kv: (kv[0][0] != "memtune", kv[0]))
+
+
 def speed_memory_table(title, group, unsloth_key, speed_field="tokens_per_second"):
-    lines = [f"### {title}", "", "| tool | variant | tokens/s | device peak | x Unsloth (speed, peak) |",
-             "|---|---|---:|---:|---|"]
+    lines = table_start(title, ["tool", "variant", "tokens/s", "device peak", "x Unsloth (speed, peak)"],
+                        ["---", "---", "---:", "---:", "---"])
     base = group.get(unsloth_key) or {}
-    for (tool, variant), f in sorted(group.items(), key=lambda kv: (kv[0][0] != "memtune", kv[0])):
+    for (tool, variant), f in memtune_first(group):
         tps = f.get(speed_field) or f.get("tokens_per_second")
         ref = base.get(speed_field) or base.get("tokens_per_second")
         vs = "" if (tool, variant) == unsloth_key else f"{ratio(tps, ref)}, {ratio(f.get('device_peak_bytes'), base.get('device_peak_bytes'))}"
@@ -199,10 +209,10 @@ def speed_memory_table(title, group, unsloth_key, speed_field="tokens_per_second
 
 
 def context_table(group):
-    lines = ["### Configuration 4: the longest trainable context at batch 1", "",
-             "| tool | cap | longest length | searched | tokens/s there | device peak there |",
-             "|---|---|---:|---|---:|---:|"]
-    for (tool, variant), f in sorted(group.items(), key=lambda kv: (kv[0][0] != "memtune", kv[0])):
+    lines = table_start("Configuration 4: the longest trainable context at batch 1",
+                        ["tool", "cap", "longest length", "searched", "tokens/s there", "device peak there"],
+                        ["---", "---", "---:", "---", "---:", "---:"])
+    for (tool, variant), f in memtune_first(group):
         if tool == "memtune":
             cap = f"--vram {f['budget_bytes'] / GIB:g} GiB" if f.get("budget_bytes") else "--vram"
             searched = (f"the plan (`fit --max-context`, activation offload {'on' if f.get('offload') else 'off'}), "
@@ -229,10 +239,11 @@ def context_table(group):
 
 
 def data_table(group):
-    lines = ["### Issue 22: real data (sft-tasks.jsonl x 30, Llama 3 tokenizer, QLoRA full stack, 2 x 2048, accumulation 2)", "",
-             "| tool | mode | tokens of samples / s | trained targets / s | padding computed | device peak |",
-             "|---|---|---:|---:|---:|---:|"]
-    for (tool, mode), f in sorted(group.items(), key=lambda kv: (kv[0][0] != "memtune", kv[0])):
+    lines = table_start("Issue 22: real data (sft-tasks.jsonl x 30, Llama 3 tokenizer, QLoRA full stack, 2 x 2048, "
+                        "accumulation 2)",
+                        ["tool", "mode", "tokens of samples / s", "trained targets / s", "padding computed", "device peak"],
+                        ["---", "---", "---:", "---:", "---:", "---:"])
+    for (tool, mode), f in memtune_first(group):
         real = f.get("real_tokens_per_second") or f.get("tokens_per_second")
         pad = f.get("padding")
         lines.append(f"| {tool} | {mode} | {fmt_tps(real)} | {fmt_tps(f.get('targets_per_second'))} | "
