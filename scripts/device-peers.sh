@@ -65,7 +65,8 @@ case "$CALL" in
     # The longest context first (nothing else measures it); the model folder it writes is reused.
     CONTEXT_CAPS=24 CONTEXT_MIN=${CONTEXT_MIN:-73728} CONTEXT_MAX=${CONTEXT_MAX:-90112} CONTEXT_UNIT=8192 \
       CONTEXT_TIMEOUT=${CONTEXT_TIMEOUT:-300} PROBE_TIMEOUT=120 check "$BIN_DIR" unsloth-context
-    UNSLOTH_STEPS=4 UNSLOTH_TIMEOUT=${UNSLOTH_TIMEOUT:-200} check "$BIN_DIR" unsloth,unsloth-data
+    # PEER_PROFILE=1: one more step of each rung under torch.profiler (its kernels by GPU time).
+    PEER_PROFILE=1 UNSLOTH_STEPS=4 UNSLOTH_TIMEOUT=${UNSLOTH_TIMEOUT:-220} check "$BIN_DIR" unsloth,unsloth-data
     ;;
   c)
     # memtune's configuration 4 first: the longest context that `fit` accepts under 24 GiB, trained.
