@@ -431,6 +431,52 @@ TEST(CpuSwiglu, BackwardMatchesFiniteDifferencesAndAliases) {
   EXPECT_EQ(du_bf16.floats(), rounded_to(du_ref.floats(), DType::bf16));
 }
 
+// The LoRA B terms of gate and up, then SwiGLU (Backend::swiglu_lora_forward), against sums in
+// double: the sums written back into gate and up, rounded once as a beta-1 GEMM rounds them.
+TEST(CpuSwiglu, LoraForwardAddsBothLowRankTermsThenActivates) {
+  auto backend = make_cpu_backend();
+  std::mt19937_64 rng(21);
+  for (DType dtype : {DType::f32, DType::bf16}) {
+    for (auto [rows, cols, r] : {std::array<int64_t, 3>{1, 1, 1}, std::array<int64_t, 3>{7, 33, 4},
+                                 std::array<int64_t, 3>{65, 130, 16}}) {
+      HostTensor gate = random_tensor(dtype, {rows, cols}, rng, -3.0f, 3.0f);
+      HostTensor up = random_tensor(dtype, {rows, cols}, rng, -2.0f, 2.0f);
+      HostTensor ut_gate = random_tensor(dtype, {r, rows}, rng), ut_up = random_tensor(dtype, {r, rows}, rng);
+      HostTensor b_gate = random_tensor(dtype, {cols, r}, rng), b_up = random_tensor(dtype, {cols, r}, rng);
+      const float scale = 0.5f;
+      const std::vector<float> g0 = gate.floats(), u0 = up.floats(), ug = ut_gate.floats(), uu = ut_up.floats(),
+                               bg = b_gate.floats(), bu = b_up.floats();
+      HostTensor out(dtype, {rows, cols});
+      backend->swiglu_lora_forward(out, gate, up, ut_gate, b_gate, ut_up, b_up, scale);
+      std::vector<double> want_gate(rows * cols), want_up(rows * cols), want_out(rows * cols);
+      for (int64_t i = 0; i < rows; ++i)
+        for (int64_t j = 0; j < cols; ++j) {
+          double tg = 0, tu = 0;
+          for (int64_t k = 0; k < r; ++k) {
+            tg += double(ug[k * rows + i]) * bg[j * r + k];
+            tu += double(uu[k * rows + i]) * bu[j * r + k];
+          }
+          const int64_t e = i * cols + j;
+          want_gate[e] = g0[e] + scale * tg;
+          want_up[e] = u0[e] + scale * tu;
+          // SwiGLU reads the sums as stored (rounded to the dtype).
+          const double g = round_to_dtype(static_cast<float>(want_gate[e]), dtype);
+          const double u = round_to_dtype(static_cast<float>(want_up[e]), dtype);
+          want_out[e] = g / (1.0 + std::exp(-g)) * u;
+        }
+      // One rounding of an fp32 sum: within an ulp of the dtype (a double sum can round the other
+      // way at a tie), or in f32 the sum's own error (16 terms of ~1 against the 1e-2 floor);
+      // SwiGLU's output moves by up to ~4 times its input's relative error where silu is steep
+      // (g near -3), then is rounded once more.
+      const double tol = dtype == DType::f32 ? 1e-4 : 8e-3;
+      const std::string what = std::string(dtype_label(dtype)) + " " + std::to_string(rows) + "x" + std::to_string(cols);
+      EXPECT_LT(max_rel_error(gate.floats(), want_gate, 1e-2), tol) << what;
+      EXPECT_LT(max_rel_error(up.floats(), want_up, 1e-2), tol) << what;
+      EXPECT_LT(max_rel_error(out.floats(), want_out, 1e-2), dtype == DType::f32 ? 4e-4 : 2.5e-2) << what;
+    }
+  }
+}
+
 // ---- dropout ------------------------------------------------------------------------------------
 
 TEST(CpuDropout, MaskIsDeterministicAndKeepsOneMinusP) {

@@ -21,6 +21,13 @@ void* Backend::allocate_host(uint64_t bytes) {
 
 void Backend::free_host(void* base) { std::free(base); }
 
+void Backend::swiglu_lora_forward(const Tensor& out, const Tensor& gate, const Tensor& up, const Tensor& ut_gate,
+                                  const Tensor& b_gate, const Tensor& ut_up, const Tensor& b_up, float scale) {
+  matmul(gate, ut_gate, true, b_gate, true, scale, 1.0f);
+  matmul(up, ut_up, true, b_up, true, scale, 1.0f);
+  swiglu_forward(out, gate, up);
+}
+
 float Backend::read_scalar(const Tensor& scalar) {
   MT_ASSERT(scalar.dtype == DType::f32 && scalar.numel() == 1);
   float value = 0.0f;  // stays 0 on the meta device, which copies nothing

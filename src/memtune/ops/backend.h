@@ -209,6 +209,16 @@ class Backend {
   // d_gate, d_up from d_out (d_gate/d_up may alias gate/up: they are read before written).
   virtual void swiglu_backward(const Tensor& d_gate, const Tensor& d_up, const Tensor& d_out,
                                const Tensor& gate, const Tensor& up) = 0;
+  // The gate and up projections' LoRA B terms, then SwiGLU (LlamaStep's stacked gate/up group):
+  //   gate += scale * ut_gate^T b_gate^T,  up += scale * ut_up^T b_up^T   (as matmul with beta 1)
+  //   out = silu(gate) * up
+  // ut_*: the LoRA inputs u transposed, [r, rows]; b_*: [cols, r]. gate and up hold the sums
+  // afterwards (the backward reads them). This default runs exactly those three ops; a backend
+  // may do them in one pass over gate and up (the two rank-r products each read and write all of
+  // their output only to add a rank-r term onto it).
+  virtual void swiglu_lora_forward(const Tensor& out, const Tensor& gate, const Tensor& up,
+                                   const Tensor& ut_gate, const Tensor& b_gate, const Tensor& ut_up,
+                                   const Tensor& b_up, float scale);
 
   // ---- attention ------------------------------------------------------------------------------
   // Causal GQA attention. segments (optional, i32 [N]): a token attends only to earlier tokens of

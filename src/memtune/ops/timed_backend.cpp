@@ -136,6 +136,12 @@ void TimedBackend::rope_backward(const Tensor& dx, const Tensor& positions, cons
 void TimedBackend::swiglu_forward(const Tensor& out, const Tensor& gate, const Tensor& up) {
   timed("swiglu_forward", [&] { inner_.swiglu_forward(out, gate, up); });
 }
+void TimedBackend::swiglu_lora_forward(const Tensor& out, const Tensor& gate, const Tensor& up,
+                                       const Tensor& ut_gate, const Tensor& b_gate, const Tensor& ut_up,
+                                       const Tensor& b_up, float scale) {
+  timed("swiglu_lora_forward",
+        [&] { inner_.swiglu_lora_forward(out, gate, up, ut_gate, b_gate, ut_up, b_up, scale); });
+}
 void TimedBackend::swiglu_backward(const Tensor& d_gate, const Tensor& d_up, const Tensor& d_out,
                                    const Tensor& gate, const Tensor& up) {
   timed("swiglu_backward", [&] { inner_.swiglu_backward(d_gate, d_up, d_out, gate, up); });

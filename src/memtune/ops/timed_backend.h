@@ -83,6 +83,8 @@ class TimedBackend final : public Backend {
   void rope_forward(const Tensor& x, const Tensor& positions, const Tensor& inv_freq, int64_t head_dim) override;
   void rope_backward(const Tensor& dx, const Tensor& positions, const Tensor& inv_freq, int64_t head_dim) override;
   void swiglu_forward(const Tensor& out, const Tensor& gate, const Tensor& up) override;
+  void swiglu_lora_forward(const Tensor& out, const Tensor& gate, const Tensor& up, const Tensor& ut_gate,
+                           const Tensor& b_gate, const Tensor& ut_up, const Tensor& b_up, float scale) override;
   void swiglu_backward(const Tensor& d_gate, const Tensor& d_up, const Tensor& d_out, const Tensor& gate,
                        const Tensor& up) override;
   void attention_eager_forward(const Tensor& out, const Tensor& probs, const Tensor& scores_scratch,
