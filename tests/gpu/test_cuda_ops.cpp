@@ -471,6 +471,24 @@ TEST_F(CudaTest, SwiGluWithLoraTerms) {
     }
 }
 
+// A projection's LoRA B term, then the residual (lora_residual_forward), against the CPU backend
+// at the step's layouts (u [rows, r], b [cols, r]) and at odd shapes; two roundings, so 8 ulps.
+TEST_F(CudaTest, LoraResidualForward) {
+  struct Shape3 { int64_t rows, cols, r; };
+  for (DType type : kFloatTypes)
+    for (const Shape3 sh : {Shape3{1, 1, 1}, Shape3{9, 70, 8}, Shape3{257, 4099, 16}, Shape3{64, 4096, 32}}) {
+      const std::string what = std::string(optest::dtype_label(type)) + " " + std::to_string(sh.rows) + "x" +
+                               std::to_string(sh.cols) + " r" + std::to_string(sh.r);
+      HostTensor y = random_tensor(type, Shape{sh.rows, sh.cols}, rng_, -3, 3);
+      HostTensor residual = random_tensor(type, Shape{sh.rows, sh.cols}, rng_, -3, 3);
+      HostTensor u = random_tensor(type, Shape{sh.rows, sh.r}, rng_), b = random_tensor(type, Shape{sh.cols, sh.r}, rng_);
+      DeviceTensor y_dev = upload(y), residual_dev = upload(residual), u_dev = upload(u), b_dev = upload(b);
+      gpu().lora_residual_forward(y_dev, u_dev, b_dev, 2.0f, residual_dev);
+      cpu().lora_residual_forward(y, u, b, 2.0f, residual);
+      expect_each_close("lora+residual " + what, y_dev.floats(), y.floats(), type, 8.0);
+    }
+}
+
 TEST_F(CudaTest, SwiGlu) {
   for (bool generic : kPaths)
     for (DType type : kFloatTypes)

@@ -477,6 +477,37 @@ TEST(CpuSwiglu, LoraForwardAddsBothLowRankTermsThenActivates) {
   }
 }
 
+// A projection's LoRA B term, then the residual (Backend::lora_residual_forward), against sums in
+// double, each of the two rounded once as the two ops round.
+TEST(CpuLinear, LoraResidualForwardAddsTheLowRankTermThenTheResidual) {
+  auto backend = make_cpu_backend();
+  std::mt19937_64 rng(22);
+  for (DType dtype : {DType::f32, DType::bf16}) {
+    for (auto [rows, cols, r] : {std::array<int64_t, 3>{1, 1, 1}, std::array<int64_t, 3>{9, 70, 8},
+                                 std::array<int64_t, 3>{33, 129, 16}}) {
+      HostTensor y = random_tensor(dtype, {rows, cols}, rng, -3.0f, 3.0f);
+      HostTensor residual = random_tensor(dtype, {rows, cols}, rng, -3.0f, 3.0f);
+      HostTensor u = random_tensor(dtype, {rows, r}, rng), b = random_tensor(dtype, {cols, r}, rng);
+      const std::vector<float> y0 = y.floats(), res = residual.floats(), uf = u.floats(), bf = b.floats();
+      const float scale = 2.0f;
+      backend->lora_residual_forward(y, u, b, scale, residual);
+      std::vector<double> want(rows * cols);
+      for (int64_t i = 0; i < rows; ++i)
+        for (int64_t j = 0; j < cols; ++j) {
+          double t = 0;
+          for (int64_t k = 0; k < r; ++k) t += double(uf[i * r + k]) * bf[j * r + k];
+          const int64_t e = i * cols + j;
+          const double with_lora = round_to_dtype(static_cast<float>(y0[e] + scale * t), dtype);
+          want[e] = with_lora + res[e];
+        }
+      // Against the largest value (a sum may cancel to near zero): two roundings, an ulp each.
+      const double tol = dtype == DType::f32 ? 1e-5 : 1e-2;
+      EXPECT_LT(scaled_error(y.floats(), want), tol)
+          << dtype_label(dtype) << " " << rows << "x" << cols << " r" << r;
+    }
+  }
+}
+
 // ---- dropout ------------------------------------------------------------------------------------
 
 TEST(CpuDropout, MaskIsDeterministicAndKeepsOneMinusP) {

@@ -28,6 +28,12 @@ void Backend::swiglu_lora_forward(const Tensor& out, const Tensor& gate, const T
   swiglu_forward(out, gate, up);
 }
 
+void Backend::lora_residual_forward(const Tensor& y, const Tensor& u, const Tensor& b, float scale,
+                                    const Tensor& residual) {
+  matmul(y, u, false, b, true, scale, 1.0f);
+  add(y, y, residual);
+}
+
 float Backend::read_scalar(const Tensor& scalar) {
   MT_ASSERT(scalar.dtype == DType::f32 && scalar.numel() == 1);
   float value = 0.0f;  // stays 0 on the meta device, which copies nothing

@@ -219,6 +219,12 @@ class Backend {
   virtual void swiglu_lora_forward(const Tensor& out, const Tensor& gate, const Tensor& up,
                                    const Tensor& ut_gate, const Tensor& b_gate, const Tensor& ut_up,
                                    const Tensor& b_up, float scale);
+  // A projection's LoRA B term, then the residual (LlamaStep's o and down projections):
+  //   y += scale * u b^T   (as matmul with beta 1; u [rows, r], b [cols, r]),  then y += residual
+  // rounded after each of the two, as the two ops round. This default runs exactly those two ops;
+  // a backend may do them in one pass over y.
+  virtual void lora_residual_forward(const Tensor& y, const Tensor& u, const Tensor& b, float scale,
+                                     const Tensor& residual);
 
   // ---- attention ------------------------------------------------------------------------------
   // Causal GQA attention. segments (optional, i32 [N]): a token attends only to earlier tokens of

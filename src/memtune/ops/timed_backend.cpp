@@ -142,6 +142,10 @@ void TimedBackend::swiglu_lora_forward(const Tensor& out, const Tensor& gate, co
   timed("swiglu_lora_forward",
         [&] { inner_.swiglu_lora_forward(out, gate, up, ut_gate, b_gate, ut_up, b_up, scale); });
 }
+void TimedBackend::lora_residual_forward(const Tensor& y, const Tensor& u, const Tensor& b, float scale,
+                                         const Tensor& residual) {
+  timed("lora_residual_forward", [&] { inner_.lora_residual_forward(y, u, b, scale, residual); });
+}
 void TimedBackend::swiglu_backward(const Tensor& d_gate, const Tensor& d_up, const Tensor& d_out,
                                    const Tensor& gate, const Tensor& up) {
   timed("swiglu_backward", [&] { inner_.swiglu_backward(d_gate, d_up, d_out, gate, up); });

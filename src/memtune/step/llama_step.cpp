@@ -379,8 +379,8 @@ Tensor LlamaStep::layer_forward(int layer, LayerState& s, bool recompute, uint64
                        dropout_seed, training);
   attention_forward(layer, s, keep);
   act(Act::mid) = alloc_act(Act::mid, layer, keep);
-  linear_forward(layer, Projection::o, act(Act::attn_out), 0, act(Act::mid), lora_u(Projection::o), keep, dropout_seed, training);
-  backend_.add(act(Act::mid), act(Act::mid), act(Act::layer_input));
+  linear_forward(layer, Projection::o, act(Act::attn_out), 0, act(Act::mid), lora_u(Projection::o), keep, dropout_seed, training,
+                 &act(Act::layer_input));
 
   mlp_forward(layer, act(Act::mid), 0, s, keep, dropout_seed, training, training);
   if (recompute) {
@@ -390,8 +390,8 @@ Tensor LlamaStep::layer_forward(int layer, LayerState& s, bool recompute, uint64
           layer, Projection::down, act(Act::swiglu_out), 0, keep, dropout_seed, training);
     return Tensor{};
   }
-  linear_forward(layer, Projection::down, act(Act::swiglu_out), 0, out, lora_u(Projection::down), keep, dropout_seed, training);
-  backend_.add(out, out, act(Act::mid));
+  linear_forward(layer, Projection::down, act(Act::swiglu_out), 0, out, lora_u(Projection::down), keep, dropout_seed, training,
+                 &act(Act::mid));
   return out;
 }
 
@@ -438,14 +438,13 @@ Tensor LlamaStep::layer_forward_chunked(int layer, LayerState& s, bool recompute
     LayerState chunk;
     Tensor& mid = chunk.acts[static_cast<int>(Act::mid)];
     mid = alloc_act_rows(Act::mid, layer, transient, end - begin, begin);
+    const Tensor x_rows = x.slice_rows(begin, end);
     linear_forward(layer, Projection::o, act(Act::attn_out).slice_rows(begin, end), begin, mid,
-                   nullptr, transient, dropout_seed, training);
-    backend_.add(mid, mid, x.slice_rows(begin, end));
+                   nullptr, transient, dropout_seed, training, &x_rows);
     mlp_forward(layer, mid, begin, chunk, transient, dropout_seed, training, /*keep_lora_u=*/false);
     const Tensor out_rows = out.slice_rows(begin, end);
     linear_forward(layer, Projection::down, chunk.acts[static_cast<int>(Act::swiglu_out)], begin,
-                   out_rows, nullptr, transient, dropout_seed, training);
-    backend_.add(out_rows, out_rows, mid);
+                   out_rows, nullptr, transient, dropout_seed, training, &mid);
     free_layer(chunk, /*keep_input=*/false);
   }
   return out;
@@ -620,9 +619,9 @@ void LlamaStep::layer_backward_chunked(int layer, LayerState& s, const Tensor& d
     LayerState chunk;
     Tensor& mid = chunk.acts[static_cast<int>(Act::mid)];
     mid = alloc_act_rows(Act::mid, layer, transient, end - begin, begin);
+    const Tensor x_rows = x.slice_rows(begin, end);
     linear_forward(layer, Projection::o, attn_rows, begin, mid, &chunk.lora_u[static_cast<int>(Projection::o)],
-                   transient, seed, true);
-    backend_.add(mid, mid, x.slice_rows(begin, end));
+                   transient, seed, true, &x_rows);
     mlp_forward(layer, mid, begin, chunk, transient, seed, true, /*keep_lora_u=*/true);
     if (lora_.find(layer, Projection::down) != nullptr)
       chunk.lora_u[static_cast<int>(Projection::down)] = lora_input_projection(

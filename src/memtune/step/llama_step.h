@@ -256,8 +256,11 @@ class LlamaStep {
   // u = drop(x) A^T [x rows, r] for the adapter on (layer, p).
   Tensor lora_input_projection(int layer, Projection p, const Tensor& x, int64_t first_row,
                                MemCategory u_category, uint64_t dropout_seed, bool training);
+  // y = x W^T (+ the LoRA term) (+ *residual, where given: the o and down projections' residual
+  // adds, made with the LoRA term by one backend op, lora_residual_forward).
   void linear_forward(int layer, Projection p, const Tensor& x, int64_t first_row, const Tensor& y,
-                      Tensor* lora_u, MemCategory u_category, uint64_t dropout_seed, bool training);
+                      Tensor* lora_u, MemCategory u_category, uint64_t dropout_seed, bool training,
+                      const Tensor* residual = nullptr);
   // dx (+)= d/dx, and the adapter's grads += theirs. Everything that reads x happens before dx
   // is written, so dx may alias x when accumulate is false (x is dead afterwards).
   void linear_backward(int layer, Projection p, const Tensor& dy, const Tensor& x,

@@ -38,16 +38,20 @@ void LlamaStep::base_linear_forward(int layer, Projection p, const Tensor& x, co
 
 void LlamaStep::linear_forward(int layer, Projection p, const Tensor& x, int64_t first_row,
                                const Tensor& y, Tensor* lora_u, MemCategory u_category,
-                               uint64_t dropout_seed, bool training) {
+                               uint64_t dropout_seed, bool training, const Tensor* residual) {
   base_linear_forward(layer, p, x, y);
   const LoraTensors* adapter = lora_.find(layer, p);
-  if (adapter == nullptr) return;
+  if (adapter == nullptr) {
+    if (residual != nullptr) backend_.add(y, y, *residual);
+    return;
+  }
   // PEFT's order: the base output first, then the low-rank term added onto it. (Writing the
   // low-rank term first and letting the base GEMM add onto it with beta 1 saves a pass over y,
   // but it measured further from Hugging Face's bf16 goldens on the GPU than the CPU oracle
   // is: bench/NOTES.md, 2026-12-03.)
   Tensor u = lora_input_projection(layer, p, x, first_row, u_category, dropout_seed, training);
-  backend_.matmul(y, u, false, adapter->b_compute, true, lora_scale_, 1.0f);
+  if (residual != nullptr) backend_.lora_residual_forward(y, u, adapter->b_compute, lora_scale_, *residual);
+  else backend_.matmul(y, u, false, adapter->b_compute, true, lora_scale_, 1.0f);
   if (lora_u != nullptr) *lora_u = u;
   else memory_.free(u);
 }
