@@ -444,17 +444,25 @@ TEST_F(CudaTest, Rope) {
           }
 }
 
+// A low-rank case of the LoRA epilogue tests: rows x cols outputs, rank r.
+struct LoraShape {
+  int64_t rows, cols, r;
+};
+
+std::string lora_label(DType type, const LoraShape& sh) {
+  return std::string(optest::dtype_label(type)) + " " + std::to_string(sh.rows) + "x" + std::to_string(sh.cols) +
+         " r" + std::to_string(sh.r);
+}
+
 // The LoRA B terms of gate and up, then SwiGLU (swiglu_lora_forward), against the CPU backend at
 // the step's layouts (u transposed [r, rows], B [cols, r]) and at odd shapes. The sums may round
 // the other way than the CPU's at a tie (their fp32 orders differ), and SwiGLU can amplify that
 // about fourfold where silu is steep: 8 ulps on out.
 TEST_F(CudaTest, SwiGluWithLoraTerms) {
-  struct Shape3 { int64_t rows, cols, r; };
   for (DType type : kFloatTypes)
-    for (const Shape3 sh : {Shape3{1, 1, 1}, Shape3{7, 33, 4}, Shape3{130, 1000, 16}, Shape3{257, 4099, 16},
-                            Shape3{64, 14336, 32}}) {
-      const std::string what = std::string(optest::dtype_label(type)) + " " + std::to_string(sh.rows) + "x" +
-                               std::to_string(sh.cols) + " r" + std::to_string(sh.r);
+    for (const LoraShape sh : {LoraShape{1, 1, 1}, LoraShape{7, 33, 4}, LoraShape{130, 1000, 16}, LoraShape{257, 4099, 16},
+                            LoraShape{64, 14336, 32}}) {
+      const std::string what = lora_label(type, sh);
       HostTensor gate = random_tensor(type, Shape{sh.rows, sh.cols}, rng_, -3, 3);
       HostTensor up = random_tensor(type, Shape{sh.rows, sh.cols}, rng_, -2, 2);
       HostTensor ut_gate = random_tensor(type, Shape{sh.r, sh.rows}, rng_), ut_up = random_tensor(type, Shape{sh.r, sh.rows}, rng_);
@@ -474,11 +482,9 @@ TEST_F(CudaTest, SwiGluWithLoraTerms) {
 // A projection's LoRA B term, then the residual (lora_residual_forward), against the CPU backend
 // at the step's layouts (u [rows, r], b [cols, r]) and at odd shapes; two roundings, so 8 ulps.
 TEST_F(CudaTest, LoraResidualForward) {
-  struct Shape3 { int64_t rows, cols, r; };
   for (DType type : kFloatTypes)
-    for (const Shape3 sh : {Shape3{1, 1, 1}, Shape3{9, 70, 8}, Shape3{257, 4099, 16}, Shape3{64, 4096, 32}}) {
-      const std::string what = std::string(optest::dtype_label(type)) + " " + std::to_string(sh.rows) + "x" +
-                               std::to_string(sh.cols) + " r" + std::to_string(sh.r);
+    for (const LoraShape sh : {LoraShape{1, 1, 1}, LoraShape{9, 70, 8}, LoraShape{257, 4099, 16}, LoraShape{64, 4096, 32}}) {
+      const std::string what = lora_label(type, sh);
       HostTensor y = random_tensor(type, Shape{sh.rows, sh.cols}, rng_, -3, 3);
       HostTensor residual = random_tensor(type, Shape{sh.rows, sh.cols}, rng_, -3, 3);
       HostTensor u = random_tensor(type, Shape{sh.rows, sh.r}, rng_), b = random_tensor(type, Shape{sh.cols, sh.r}, rng_);

@@ -462,27 +462,24 @@ void LlamaStep::mlp_forward(int layer, const Tensor& mid_rows, int64_t first_row
   act(Act::gate) = alloc_act_rows(Act::gate, layer, category, rows, first_row);
   act(Act::up) = alloc_act_rows(Act::up, layer, category, rows, first_row);
   const Tensor gate_up_out[] = {act(Act::gate), act(Act::up)};
+  // A stacked gate/up group leaves its B terms to swiglu_lora_forward, which adds them with SwiGLU
+  // (the same sums as linear_group_forward's, which a backend may make in one pass over gate and up).
   const LoraInputGroup& gate_up = kLoraInputGroups[1];
-  if (stacked_lora_a(layer, gate_up).empty()) {
-    linear_group_forward(layer, gate_up, act(Act::norm2_out), first_row, gate_up_out, keep_lora_u ? &mlp : nullptr,
-                         category, dropout_seed, training);
-    act(Act::swiglu_out) = alloc_act_rows(Act::swiglu_out, layer, category, rows, first_row);
-    backend_.swiglu_forward(act(Act::swiglu_out), act(Act::gate), act(Act::up));
-    return;
-  }
-  // Stacked gate/up: the base GEMMs and the one A GEMM, then both B terms and SwiGLU in one
-  // backend op (swiglu_lora_forward: the same sums as linear_group_forward's, which a backend may
-  // make in one pass over gate and up).
-  for (int m = 0; m < gate_up.size; ++m) base_linear_forward(layer, gate_up.members[m], act(Act::norm2_out), gate_up_out[m]);
+  const bool fused = !stacked_lora_a(layer, gate_up).empty();
   LayerState local;
-  LayerState& held = keep_lora_u ? mlp : local;
-  group_lora_inputs(layer, gate_up, act(Act::norm2_out), first_row, held, category, dropout_seed, training);
+  LayerState* held = keep_lora_u ? &mlp : fused ? &local : nullptr;
+  linear_group_forward(layer, gate_up, act(Act::norm2_out), first_row, gate_up_out, held, category, dropout_seed,
+                       training, /*add_lora_b=*/!fused);
   act(Act::swiglu_out) = alloc_act_rows(Act::swiglu_out, layer, category, rows, first_row);
-  auto lora_b = [&](Projection p) -> const Tensor& { return lora_.find(layer, p)->b_compute; };
-  backend_.swiglu_lora_forward(act(Act::swiglu_out), act(Act::gate), act(Act::up),
-                               held.lora_u[static_cast<int>(Projection::gate)], lora_b(Projection::gate),
-                               held.lora_u[static_cast<int>(Projection::up)], lora_b(Projection::up), lora_scale_);
-  if (!keep_lora_u) free_layer(local, /*keep_input=*/false);
+  if (fused) {
+    auto lora_b = [&](Projection p) -> const Tensor& { return lora_.find(layer, p)->b_compute; };
+    backend_.swiglu_lora_forward(act(Act::swiglu_out), act(Act::gate), act(Act::up),
+                                 held->lora_u[static_cast<int>(Projection::gate)], lora_b(Projection::gate),
+                                 held->lora_u[static_cast<int>(Projection::up)], lora_b(Projection::up), lora_scale_);
+  } else {
+    backend_.swiglu_forward(act(Act::swiglu_out), act(Act::gate), act(Act::up));
+  }
+  free_layer(local, /*keep_input=*/false);  // the LoRA inputs a fused group did not keep
 }
 
 void LlamaStep::mlp_backward(int layer, LayerState& mlp, const Tensor& mid_rows,

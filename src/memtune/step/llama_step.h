@@ -278,9 +278,11 @@ class LlamaStep {
   const Tensor& stacked_lora_a(int layer, const LoraInputGroup& group) const;
   Tensor find_stacked_lora_a(int layer, const LoraInputGroup& group) const;
   // ys[m]: member m's output. keep (nullable): where the u's are kept for the backward.
+  // add_lora_b false (a stacked group only): the B terms are left to the caller, who reads the
+  // LoRA inputs from *keep (then required) and adds them (mlp_forward: swiglu_lora_forward).
   void linear_group_forward(int layer, const LoraInputGroup& group, const Tensor& x, int64_t first_row,
                             const Tensor* ys, LayerState* keep, MemCategory u_category, uint64_t dropout_seed,
-                            bool training);
+                            bool training, bool add_lora_b = true);
   // Every member's LoRA input into keep.lora_u (members without an adapter are skipped): stacked,
   // one GEMM into keep.lora_u_stacked[group], u^T [members * r, rows], and each member's u a view
   // of its r rows; else one x A^T per member. free_layer frees either.

@@ -142,8 +142,9 @@ void LlamaStep::group_lora_inputs(int layer, const LoraInputGroup& group, const 
 
 void LlamaStep::linear_group_forward(int layer, const LoraInputGroup& group, const Tensor& x, int64_t first_row,
                                      const Tensor* ys, LayerState* keep, MemCategory u_category,
-                                     uint64_t dropout_seed, bool training) {
+                                     uint64_t dropout_seed, bool training, bool add_lora_b) {
   if (stacked_lora_a(layer, group).empty()) {
+    MT_ASSERT(add_lora_b, "an unstacked group adds its own LoRA terms");
     for (int m = 0; m < group.size; ++m) {
       const int p = static_cast<int>(group.members[m]);
       linear_forward(layer, group.members[m], x, first_row, ys[m], keep != nullptr ? &keep->lora_u[p] : nullptr,
@@ -156,6 +157,10 @@ void LlamaStep::linear_group_forward(int layer, const LoraInputGroup& group, con
   LayerState local;
   LayerState& held = keep != nullptr ? *keep : local;
   group_lora_inputs(layer, group, x, first_row, held, u_category, dropout_seed, training);
+  if (!add_lora_b) {
+    MT_ASSERT(keep != nullptr, "a caller that adds the LoRA terms itself must keep the LoRA inputs");
+    return;
+  }
   for (int m = 0; m < group.size; ++m) {
     const Projection p = group.members[m];
     backend_.matmul(ys[m], held.lora_u[static_cast<int>(p)], true, lora_.find(layer, p)->b_compute, true, lora_scale_,
