@@ -19,10 +19,14 @@
 #     d   configuration 4 under the large cap (BIG_CAP, default 80 GiB): memtune's edge (1 step),
 #         transformers + PEFT's and Liger's longest context
 #     e   configuration 4 under the large cap for Unsloth
+#     ab  a kernel change's call: the whole GPU test suite (TEST_FILTER, default all) and compute-sanitizer
+#         (AB_PARTS, default tests,sanitizer), then memtune's
+#         configurations 1 and 3 (AB_CONFIGS) with BIN_DIR and with BASE_BIN_DIR (required)
+#         alternately, AB_ROUNDS rounds (default 2), so that the run-to-run spread shows beside the gain
 #   BIN_DIR  prepare-devbin.sh's folder (default .devbin); carry it and .whl.
 # Each call reuses nothing of another: each can run on a fresh machine.
 set -u
-CALL=${1:?usage: scripts/device-peers.sh a|b|c|d [BIN_DIR]}
+CALL=${1:?usage: scripts/device-peers.sh a|b|c|d|e|ab [BIN_DIR]}
 BIN_DIR=${2:-.devbin}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-/tmp/memtune-device-check}
@@ -94,6 +98,14 @@ case "$CALL" in
     CONTEXT_CAPS=$BIG_CAP CONTEXT_MIN=${CONTEXT_MIN:-131072} CONTEXT_MAX=${CONTEXT_MAX:-262144} CONTEXT_UNIT=16384 \
       CONTEXT_TIMEOUT=${CONTEXT_TIMEOUT:-540} PROBE_TIMEOUT=150 check "$BIN_DIR" unsloth-context
     ;;
-  *) echo "device-peers: unknown call $CALL (a, b, c, d or e)" >&2; exit 2 ;;
+  ab)
+    : "${BASE_BIN_DIR:?device-peers ab: set BASE_BIN_DIR to the binaries to compare against}"
+    GTEST_FILTER=${TEST_FILTER:-*} TEST_TIMEOUT=${TEST_TIMEOUT:-400} check "$BIN_DIR" "${AB_PARTS:-tests,sanitizer}"
+    for round in $(seq "${AB_ROUNDS:-2}"); do
+      CONFIGS=${AB_CONFIGS:-qlora,lora16} CONFIG_STEPS=6 check "$BIN_DIR" configs
+      CONFIGS=${AB_CONFIGS:-qlora,lora16} CONFIG_STEPS=6 check "$BASE_BIN_DIR" configs
+    done
+    ;;
+  *) echo "device-peers: unknown call $CALL (a, b, c, d, e or ab)" >&2; exit 2 ;;
 esac
 echo "== $(date -u +%T) done" | tee -a "$OUT/dates.txt"

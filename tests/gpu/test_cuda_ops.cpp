@@ -16,6 +16,7 @@
 #include <functional>
 
 #include "gpu_test_util.h"
+#include "gpu_timing.h"
 #include "memtune/ops/cuda/cuda_ops.h"
 
 namespace memtune::gputest {
@@ -458,11 +459,15 @@ std::string lora_label(DType type, const LoraShape& sh) {
 // the step's layouts (u transposed [r, rows], B [cols, r]) and at odd shapes. The sums may round
 // the other way than the CPU's at a tie (their fp32 orders differ), and SwiGLU can amplify that
 // about fourfold where silu is steep: 8 ulps on out.
+// Both paths: the one-pass kernel (lora_epilogue.cu; rank 1 is not served and runs the ops) and the
+// separate ops ([generic]).
 TEST_F(CudaTest, SwiGluWithLoraTerms) {
+  for (bool generic : kPaths)
   for (DType type : kFloatTypes)
     for (const LoraShape sh : {LoraShape{1, 1, 1}, LoraShape{7, 33, 4}, LoraShape{130, 1000, 16}, LoraShape{257, 4099, 16},
-                            LoraShape{64, 14336, 32}}) {
-      const std::string what = lora_label(type, sh);
+                            LoraShape{64, 14336, 32}, LoraShape{65, 514, 8}}) {
+      GenericKernelsOnly path(generic);
+      const std::string what = lora_label(type, sh) + path_label(generic);
       HostTensor gate = random_tensor(type, Shape{sh.rows, sh.cols}, rng_, -3, 3);
       HostTensor up = random_tensor(type, Shape{sh.rows, sh.cols}, rng_, -2, 2);
       HostTensor ut_gate = random_tensor(type, Shape{sh.r, sh.rows}, rng_), ut_up = random_tensor(type, Shape{sh.r, sh.rows}, rng_);
@@ -482,9 +487,12 @@ TEST_F(CudaTest, SwiGluWithLoraTerms) {
 // A projection's LoRA B term, then the residual (lora_residual_forward), against the CPU backend
 // at the step's layouts (u [rows, r], b [cols, r]) and at odd shapes; two roundings, so 8 ulps.
 TEST_F(CudaTest, LoraResidualForward) {
+  for (bool generic : kPaths)
   for (DType type : kFloatTypes)
-    for (const LoraShape sh : {LoraShape{1, 1, 1}, LoraShape{9, 70, 8}, LoraShape{257, 4099, 16}, LoraShape{64, 4096, 32}}) {
-      const std::string what = lora_label(type, sh);
+    for (const LoraShape sh : {LoraShape{1, 1, 1}, LoraShape{9, 70, 8}, LoraShape{257, 4099, 16}, LoraShape{64, 4096, 32},
+                            LoraShape{130, 63, 4}}) {
+      GenericKernelsOnly path(generic);
+      const std::string what = lora_label(type, sh) + path_label(generic);
       HostTensor y = random_tensor(type, Shape{sh.rows, sh.cols}, rng_, -3, 3);
       HostTensor residual = random_tensor(type, Shape{sh.rows, sh.cols}, rng_, -3, 3);
       HostTensor u = random_tensor(type, Shape{sh.rows, sh.r}, rng_), b = random_tensor(type, Shape{sh.cols, sh.r}, rng_);
@@ -493,6 +501,31 @@ TEST_F(CudaTest, LoraResidualForward) {
       cpu().lora_residual_forward(y, u, b, 2.0f, residual);
       expect_each_close("lora+residual " + what, y_dev.floats(), y.floats(), type, 8.0);
     }
+}
+
+// TIMING: the one-pass LoRA epilogues beside the separate ops they replace, at an 8B step's
+// shapes (4,096 tokens; gate/up 14,336 wide, down 4,096 wide), bf16. Prints; asserts nothing.
+TEST_F(CudaTest, LoraEpilogueTiming) {
+  const int64_t rows = 4096;
+  for (const int64_t r : {16, 32}) {
+    const DType t = DType::bf16;
+    DeviceTensor gate = upload(random_tensor(t, Shape{rows, 14336}, rng_)), up = upload(random_tensor(t, Shape{rows, 14336}, rng_));
+    DeviceTensor out = poisoned(t, Shape{rows, 14336});
+    DeviceTensor ut_gate = upload(random_tensor(t, Shape{r, rows}, rng_)), ut_up = upload(random_tensor(t, Shape{r, rows}, rng_));
+    DeviceTensor b_gate = upload(random_tensor(t, Shape{14336, r}, rng_)), b_up = upload(random_tensor(t, Shape{14336, r}, rng_));
+    DeviceTensor y = upload(random_tensor(t, Shape{rows, 4096}, rng_)), residual = upload(random_tensor(t, Shape{rows, 4096}, rng_));
+    DeviceTensor u = upload(random_tensor(t, Shape{rows, r}, rng_)), b = upload(random_tensor(t, Shape{4096, r}, rng_));
+    for (bool generic : kPaths) {
+      GenericKernelsOnly path(generic);
+      const double swiglu_ms = median_event_ms([&] { gpu().swiglu_lora_forward(out, gate, up, ut_gate, b_gate, ut_up, b_up, 0.0f); });
+      const double residual_ms = median_event_ms([&] { gpu().lora_residual_forward(y, u, b, 0.0f, residual); });
+      // Bytes the one pass must move: 5 (2 + 3) and 3 (2 + 1) tensors of rows x cols.
+      const double swiglu_gbs = 5.0 * rows * 14336 * 2 / (swiglu_ms * 1e-3) / 1e9;
+      const double residual_gbs = 3.0 * rows * 4096 * 2 / (residual_ms * 1e-3) / 1e9;
+      std::printf("TIMING lora epilogue r%-2lld %-10s swiglu+lora %7.3f ms (%6.0f GB/s one-pass bytes)  lora+residual %7.3f ms (%6.0f GB/s)\n",
+                  static_cast<long long>(r), generic ? "separate" : "one-pass", swiglu_ms, swiglu_gbs, residual_ms, residual_gbs);
+    }
+  }
 }
 
 TEST_F(CudaTest, SwiGlu) {
