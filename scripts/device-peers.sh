@@ -100,7 +100,8 @@ case "$CALL" in
     ;;
   ab)
     : "${BASE_BIN_DIR:?device-peers ab: set BASE_BIN_DIR to the binaries to compare against}"
-    GTEST_FILTER=${TEST_FILTER:-*} TEST_TIMEOUT=${TEST_TIMEOUT:-400} check "$BIN_DIR" "${AB_PARTS:-tests,sanitizer}"
+    AB_PARTS=${AB_PARTS:-tests,sanitizer}  # "-": only the A/B (the tests ran in a call before)
+    [ "$AB_PARTS" != - ] && GTEST_FILTER=${TEST_FILTER:-*} TEST_TIMEOUT=${TEST_TIMEOUT:-400} check "$BIN_DIR" "$AB_PARTS"
     for round in $(seq "${AB_ROUNDS:-2}"); do
       CONFIGS=${AB_CONFIGS:-qlora,lora16} CONFIG_STEPS=6 check "$BIN_DIR" configs
       CONFIGS=${AB_CONFIGS:-qlora,lora16} CONFIG_STEPS=6 check "$BASE_BIN_DIR" configs

@@ -53,6 +53,25 @@ HostTensor make_segments(const Config& c, std::mt19937_64& rng) {
   return optest::i32_tensor(Shape{c.batch * c.seq}, ids);
 }
 
+// Packed rows whose ids come back: runs of random length (1 to max_run) with ids
+// sign * (run % cycle), so with cycle 3 a token also sees the earlier runs of its id, any number of
+// blocks back (the CPU backend masks by id alone), and with sign -1 the ids fall. The kernels'
+// block bounds must hold for any ids, not only for ids that never decrease along a row.
+HostTensor make_cycling_segments(const Config& c, int64_t max_run, int32_t cycle, int32_t sign,
+                                 std::mt19937_64& rng) {
+  std::vector<int32_t> ids(static_cast<size_t>(c.batch * c.seq));
+  std::uniform_int_distribution<int64_t> length(1, max_run);
+  for (int64_t b = 0; b < c.batch; ++b) {
+    int32_t run = 0;
+    for (int64_t s = 0; s < c.seq; ++run) {
+      const int64_t n = std::min(length(rng), c.seq - s);
+      for (int64_t i = 0; i < n; ++i) ids[b * c.seq + s + i] = sign * (run % cycle);
+      s += n;
+    }
+  }
+  return optest::i32_tensor(Shape{c.batch * c.seq}, ids);
+}
+
 struct Inputs {
   HostTensor q, k, v, d_out, segments;
 };
@@ -156,7 +175,10 @@ TEST_F(CudaAttentionTest, FlashAndEagerMatchCpu) {
       {1, 1, 4, 1, 64, false},  {2, 17, 4, 1, 64, false},  {1, 17, 8, 8, 128, false},
       {2, 100, 8, 2, 128, true}, {1, 130, 8, 1, 64, true},  {1, 33, 2, 1, 16, false},
       {2, 40, 4, 2, 24, true},  {1, 50, 4, 4, 32, false},  {1, 1000, 4, 1, 64, false},
-      {1, 300, 8, 1, 128, false},  {1, 300, 4, 2, 128, false, 8.0}, {1, 200, 4, 4, 64, true, 8.0}};
+      {1, 300, 8, 1, 128, false},  {1, 300, 4, 2, 128, false, 8.0}, {1, 200, 4, 4, 64, true, 8.0},
+      // A long packed row: the tensor-core kernels skip the blocks before a query block's
+      // earliest sample start (forward) and after a key block's latest sample end (backward).
+      {1, 2600, 2, 1, 128, true}};
   for (const Config& c : configs)
     for (DType type : {DType::f32, DType::bf16, DType::f16}) {
       if (type == DType::f16 && c.head_dim != 64 && c.head_dim != 128) continue;
@@ -166,6 +188,33 @@ TEST_F(CudaAttentionTest, FlashAndEagerMatchCpu) {
       if (c.seq <= 300)
         expect_grads_close("eager " + label(c, type), gpu_eager(c, in), cpu_attention(c, in, false),
                            type == DType::f32 ? 1e-4 : 2 * storage_tolerance(type));
+    }
+}
+
+// Packed rows whose segment ids come back or fall (make_cycling_segments), at odd lengths, both
+// head_dims and both 16-bit dtypes (the tensor-core kernels), forward and backward against the
+// CPU backend: the blocks that the kernels skip on packed rows must be exactly ones that no
+// (query, key) pair of the tile sees.
+TEST_F(CudaAttentionTest, FlashMatchesCpuWhenSegmentIdsComeBack) {
+  struct Case {
+    Config config;
+    int64_t max_run;
+    int32_t cycle, sign;
+  };
+  const Case cases[] = {
+      {{1, 1999, 4, 2, 128, true}, 40, 3, 1},   // short runs: blocks hold all three ids
+      {{2, 1337, 2, 1, 64, true}, 450, 3, 1},   // an id comes back after blocks without it
+      {{1, 2601, 2, 1, 128, true}, 900, 3, 1},  // the same, a few runs per row
+      {{1, 777, 4, 1, 64, true}, 200, 1 << 30, -1}};  // falling ids, none comes back
+  for (const Case& k : cases)
+    for (DType type : {DType::bf16, DType::f16}) {
+      Inputs in = make_inputs(k.config, type, rng_);
+      in.segments = make_cycling_segments(k.config, k.max_run, k.cycle, k.sign, rng_);
+      const std::string what = "flash ids cycle " + std::to_string(k.cycle) + " sign " +
+                               std::to_string(k.sign) + " runs <= " + std::to_string(k.max_run) +
+                               " " + label(k.config, type);
+      expect_grads_close(what, gpu_flash(k.config, in), cpu_attention(k.config, in, true),
+                         storage_tolerance(type));
     }
 }
 

@@ -161,6 +161,8 @@ __global__ void __launch_bounds__(kGenericWarps * 32)
 //    whose contraction runs over all the block's keys. Two barriers per query block.
 //  - Warps whose 16 keys all come after the query block's last query skip their work, and dQ's
 //    contraction stops at the last key the block can see.
+//  - On packed rows the query loop stops after the block of the last query that sees any key of
+//    the block (segment_reach, attention_flash_tiles.cuh).
 //  - dQ goes into the fp32 accumulator by red.global.add.v2.f32 (two adjacent columns at once)
 //    on sm_90, by scalar reductions elsewhere.
 //  - The grid is one-dimensional with the key block slowest: every longest block (key block 0
@@ -270,6 +272,20 @@ __global__ void __launch_bounds__(BackwardV2<D, kKeys, kStages>::kThreads)
   const float scale_log2 = p.scale * kLog2e;
   const int64_t kv_stride = kv_heads * D, q_stride = heads * D;
 
+  // The last query that sees any key of the block: the row's last, or on packed rows the last
+  // whose id is one of the keys' (segment_reach, attention_flash_tiles.cuh). The query blocks
+  // past its block are wholly masked (P = dS = 0): skipping them leaves dK, dV and dQ as they
+  // were. Searched first, in dS^T's shared memory (first written inside the main loop): ptxas
+  // keeps the main loop of every configuration free of new spills only with the search here
+  // (placed after the first loads, the 64-key tiling spilled ~50 bytes, inside its main loop).
+  static_assert(segment_reach_scratch_words<kKeys>() * 4 <= Config::kDsBytes, "scratch");
+  int last_query = static_cast<int>(seq) - 1;
+  if (segments_row != nullptr && seq - k0 > kQueryBlock) {
+    const int keys = seq - k0 < kKeys ? static_cast<int>(seq - k0) : kKeys;
+    last_query = segment_reach<kThreadCount, kKeys, false>(
+        segments_row, static_cast<int>(seq), k0, keys,
+        reinterpret_cast<int32_t*>(shared + (ds_tile - k_tile) / 2));
+  }
   load_rows<D, kKeys, kThreadCount>(
       k_tile, static_cast<const uint16_t*>(t.k) + ((b * seq + k0) * kv_heads + g) * D, kv_stride,
       seq - k0);
@@ -277,9 +293,9 @@ __global__ void __launch_bounds__(BackwardV2<D, kKeys, kStages>::kThreads)
       v_tile, static_cast<const uint16_t*>(t.v) + ((b * seq + k0) * kv_heads + g) * D, kv_stride,
       seq - k0);
 
-  // Work items: (query head of the group, query block from the one holding k0 on), query
-  // blocks fastest.
-  const int q_blocks = static_cast<int>((seq - k0 + kQueryBlock - 1) / kQueryBlock);
+  // Work items: (query head of the group, query block from the one holding k0 up to the one
+  // holding last_query), query blocks fastest.
+  const int q_blocks = (last_query - k0) / kQueryBlock + 1;
   const int items = static_cast<int>(group) * q_blocks;
   auto issue = [&](int item, int stage) {
     const int64_t h = g * group + item / q_blocks;

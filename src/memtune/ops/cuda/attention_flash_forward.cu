@@ -5,7 +5,8 @@
 // Tensor-core kernel (head_dim 64 and 128, q/k/v all bf16 or all f16, 16-byte aligned; "forward
 // v2", flash_forward_tc2): 128 queries per block, 4 warps of 32 rows (two m16 tiles share each
 // K/V fragment), 64 keys per block (32 where shared memory is short), K/V double-buffered one key
-// block ahead, Q read from shared memory per key block, warps above the diagonal skip the block.
+// block ahead, Q read from shared memory per key block, warps above the diagonal skip the block;
+// on packed rows the key loop starts at the first block that a query of the block can see.
 // Per key block S = Q K^T, the online softmax in the exp2 domain (scores times scale * log2 e),
 // and O += P V with P taken straight from the S accumulators (an m16n8 C fragment pair is an
 // m16k16 A fragment); O is rescaled only when a row's max moves by more than 2^8. Blocks run
@@ -172,6 +173,16 @@ __device__ __forceinline__ void load_kv_block(uint32_t k_shared, uint32_t v_shar
   }
 }
 
+// The first key that a query tile of forward v2 can see on a packed row (segment_reach with the
+// block's threads), out of line: inlined into the kSegments kernels, ptxas spilled 32 bytes at
+// D = 128 x 64 keys on sm_90 (5 reloads per key block, as many as before the search existed);
+// called, 4 bytes (1 reload).
+template <int kTile>
+__device__ __noinline__ int first_visible_key(const int32_t* ids, int seq, int first, int count,
+                                              int32_t* scratch) {
+  return segment_reach<kThreads, kTile, true>(ids, seq, first, count, scratch);
+}
+
 // kKeys: keys per block, 64 or 32 (32 fits the 99 KiB of sm_86/89). kSegments: packed sequences
 // (p.segments != null).
 template <int D, bool kBf16, int kKeys, bool kSegments>
@@ -217,14 +228,37 @@ __global__ void __launch_bounds__(kThreads, 2)
   load_tile<D>(q_tile, q_head, q_stride, seq - q0);
   load_tile<D>(q_tile + kBlock * kRowBytes, seq - q0 > kBlock ? q_head + kBlock * q_stride : q_head,
                q_stride, seq - q0 - kBlock);
-  load_kv_block<D, kKeys>(k_tile, v_tile, shared_thread, k_thread, v_thread, kv_stride, 0,
-                          static_cast<int>(seq));
-  cp_async_commit();
+  // The first key block that any query of the block sees: 0, or on packed rows the block of the
+  // earliest key whose id is one of the queries' (segment_reach, attention_flash_tiles.cuh). The
+  // blocks before it are wholly masked: skipping them leaves every row's max, sum and O exactly
+  // as those blocks left them (-inf, 0, 0). Searched while Q is on its way, in K's first buffer
+  // (its first load comes after the search's last barrier).
+  int kb_first = 0;
   if constexpr (kSegments) {
     for (int e = threadIdx.x; e < kFwdRows; e += kThreads)
       query_segments[e] = q0 + e < seq ? segments_row[q0 + e] : 0;
-    for (int e = threadIdx.x; e < kKeys; e += kThreads)
-      key_segments[e] = e < seq ? segments_row[e] : 0;
+    static_assert(segment_reach_scratch_words<kFwdRows>() * 4 <= kKeys * kRowBytes, "scratch");
+    if (q0 >= kKeys) {  // else the first block is block 0 anyway
+      const int rows = static_cast<int>(seq - q0 < kFwdRows ? seq - q0 : kFwdRows);
+      int32_t* scratch = reinterpret_cast<int32_t*>(shared + kFwdRows * kStride);  // K, buffer 0
+      kb_first = first_visible_key<kFwdRows>(segments_row, static_cast<int>(seq),
+                                             static_cast<int>(q0), rows, scratch) /
+                 kKeys;
+    }
+  }
+  // Key blocks are double-buffered by parity (block kb in buffer kb & 1), so the first one goes
+  // to its parity's buffer.
+  {
+    const uint32_t first_buffer = (kb_first & 1) * kBufferBytes;
+    const int k_first = kb_first * kKeys;
+    load_kv_block<D, kKeys>(k_tile + first_buffer, v_tile + first_buffer, shared_thread, k_thread,
+                            v_thread, kv_stride, k_first, static_cast<int>(seq) - k_first);
+    cp_async_commit();
+    if constexpr (kSegments) {
+      int32_t* first_segments = key_segments + (kb_first & 1) * kKeys;
+      for (int e = threadIdx.x; e < kKeys; e += kThreads)
+        first_segments[e] = k_first + e < seq ? segments_row[k_first + e] : 0;
+    }
   }
 
   const uint32_t q_lane = q_tile + warp * 32 * kRowBytes + rows_a_offset(lane, kStride);
@@ -252,7 +286,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   const int key_blocks = static_cast<int>(last_key / kKeys + 1);
 
   #pragma unroll 1  // a run-time loop: unrolling it only multiplies live registers
-  for (int kb = 0; kb < key_blocks; ++kb) {
+  for (int kb = kb_first; kb < key_blocks; ++kb) {
     const int k0 = kb * kKeys;
     const uint32_t buffer = (kb & 1) * kBufferBytes;
     cp_async_wait<0>();  // K and V of this block (and Q, the first time)

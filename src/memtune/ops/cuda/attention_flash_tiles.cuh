@@ -9,6 +9,7 @@
 // when the two directions were one file, and none of this is the backend's interface.
 #pragma once
 
+#include <climits>
 #include <cstdint>
 #include <cstring>
 
@@ -161,6 +162,106 @@ __device__ __forceinline__ float exp2_approx(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
   return y;
+}
+
+// ---- Packed rows: the range of a row that a tile of tokens can see ----
+// With segments (packed rows), token i sees key j only if j <= i and both have the same id. The
+// tensor-core kernels walk, for a query tile, the key blocks up to the diagonal (forward), and for
+// a key tile, the query blocks from the diagonal to the row's end (backward); on a packed row most
+// of those blocks are wholly masked (a query tile in the fourth 2k sample of an 8k row sees no
+// key before that sample's first token), and masked blocks cost as much as visible ones.
+// segment_reach finds how far back (forward) or ahead (backward) any token of a tile sees, so that
+// the kernels visit only the blocks inside that reach. Exact for any ids: in practice ids are
+// non-decreasing, but nothing enforces it (the tests cycle them), and a token whose id comes back
+// after other ids sees its id's earlier runs too. A block may be skipped only when none of its ids
+// is one of the tile's, so every skipped id must be read: the search scans from the row's start
+// (end) in chunks of all the block's threads x kSearchLoads independent loads, and stops at the
+// first chunk that holds one of the tile's ids; it reads the skipped range rounded up to a chunk,
+// no more. (A binary search over non-decreasing ids would first have to prove them
+// non-decreasing, which reads the same prefix.) Membership: a range test on the tile's lowest and
+// highest ids, then the tile's run ids (one per maximal run of equal ids: 1-3 on real packed rows).
+constexpr int kSearchLoads = 16;  // ids per thread per chunk
+
+// The words of shared memory that segment_reach<..., kTile> needs as scratch.
+template <int kTile>
+constexpr int segment_reach_scratch_words() {
+  return 4 + kTile;
+}
+
+// Called by all kThreadCount threads of the block (it holds barriers). `ids`: the row's segment
+// ids, `seq` tokens; the tile: tokens [first, first + count), 1 <= count <= kTile. kLowest: the
+// smallest j such that ids[j] is the id of a tile token i >= j (so j <= first); otherwise the
+// largest i such that ids[i] is the id of a tile token j <= i (so i >= first + count - 1).
+// `scratch`: segment_reach_scratch_words<kTile>() words of shared memory that nothing else touches
+// during the call; free again when it returns (the last barrier comes after its last read).
+template <int kThreadCount, int kTile, bool kLowest>
+__device__ __forceinline__ int segment_reach(const int32_t* ids, int seq, int first, int count,
+                                             int32_t* scratch) {
+  int32_t* const run_ids = scratch + 4;
+  const int thread = static_cast<int>(threadIdx.x);
+  const int none = kLowest ? INT_MAX : -1;
+  if (thread == 0) {
+    scratch[0] = 0;  // runs
+    scratch[1] = INT_MAX;  // the tile's lowest id
+    scratch[2] = INT_MIN;  // and highest
+    scratch[3] = none;     // the reach
+  }
+  __syncthreads();
+  int32_t low = INT_MAX, high = INT_MIN;
+  for (int r = thread; r < count; r += kThreadCount) {
+    const int32_t id = ids[first + r];
+    low = min(low, id);
+    high = max(high, id);
+    if (r == 0 || ids[first + r - 1] != id) run_ids[atomicAdd(&scratch[0], 1)] = id;
+  }
+  low = __reduce_min_sync(0xffffffffu, low);
+  high = __reduce_max_sync(0xffffffffu, high);
+  if ((thread & 31) == 0) {
+    atomicMin(&scratch[1], low);
+    atomicMax(&scratch[2], high);
+  }
+  __syncthreads();
+  const int runs = scratch[0];
+  low = scratch[1];
+  high = scratch[2];
+  // Up from 0 to `end`, or down from seq - 1 to `end`: the token at `end` (the tile's first or
+  // last) holds a tile id, so the scan stops there at the latest.
+  constexpr int kChunk = kThreadCount * kSearchLoads;
+  const int end = kLowest ? first : first + count - 1;
+#pragma unroll 1
+  for (int base = kLowest ? 0 : seq - 1; kLowest ? base <= end : base >= end;
+       base += kLowest ? kChunk : -kChunk) {
+    int32_t chunk[kSearchLoads];  // all loads first: kSearchLoads in flight per thread
+#pragma unroll
+    for (int e = 0; e < kSearchLoads; ++e) {
+      const int j = kLowest ? base + e * kThreadCount + thread : base - e * kThreadCount - thread;
+      chunk[e] = (kLowest ? j <= end : j >= end) ? ids[j] : 0;
+    }
+    int found = none;
+#pragma unroll
+    for (int e = 0; e < kSearchLoads; ++e) {
+      const int j = kLowest ? base + e * kThreadCount + thread : base - e * kThreadCount - thread;
+      const int32_t id = chunk[e];
+      if ((kLowest ? j <= end : j >= end) && id >= low && id <= high) {
+        bool member = false;
+#pragma unroll 1
+        for (int r = 0; r < runs && !member; ++r) member = run_ids[r] == id;
+        if (member) found = kLowest ? min(found, j) : max(found, j);
+      }
+    }
+    if (found != none) {
+      if constexpr (kLowest) {
+        atomicMin(&scratch[3], found);
+      } else {
+        atomicMax(&scratch[3], found);
+      }
+    }
+    if (__syncthreads_or(found != none)) break;  // a barrier: every atomic above has landed
+  }
+  int reach = scratch[3];
+  if (reach == none) reach = kLowest ? 0 : seq - 1;  // unreachable (`end` matches): no skipping
+  __syncthreads();  // everyone has read the scratch
+  return reach;
 }
 
 inline bool aligned16(const void* pointer) { return (reinterpret_cast<uintptr_t>(pointer) & 15) == 0; }
