@@ -1,0 +1,25 @@
+// A Hopper-native flash attention forward (attention_hopper_forward.cu; issue 23, first step):
+// wgmma for both GEMMs, the bulk tensor copy engine (TMA) for Q/K/V in and O out. Same contract
+// as attention_flash_forward (cuda_ops.h): causal, GQA, q/k/v/out rows [batch, seq, heads,
+// head_dim], out and the fp32 natural-log logsumexp lse [batch, n_heads, seq], so the existing
+// flash backward consumes what it writes. Not yet wired into the training step: the tests call
+// it beside forward v2 and cuDNN.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include "memtune/ops/cuda/cuda_ops.h"
+
+namespace memtune::cuda {
+
+// Whether launch_flash_forward_hopper takes these arguments on the current device: compute
+// capability 9.0 with the sm_90a kernel in the binary, head_dim 64 or 128, q/k/v/out all bf16 or
+// all f16 and 16-byte aligned, no segments (packed rows are a later step), seq and the grid within
+// 32 bits.
+bool flash_forward_hopper_serves(const AttentionParams& p, const FlashTensors& t);
+
+// Launches the forward on `stream` and returns true; returns false, launching nothing, where
+// flash_forward_hopper_serves is false (or the driver cannot encode the tensor maps).
+bool launch_flash_forward_hopper(const AttentionParams& p, const FlashTensors& t, cudaStream_t stream);
+
+}  // namespace memtune::cuda

@@ -1,0 +1,596 @@
+// The Hopper forward of flash attention (issue 23, first step): forward v2's algorithm
+// (attention_flash_forward.cu: causal GQA, online softmax in the exp2 domain, O and the fp32
+// logsumexp saved) on Hopper's own machinery, compiled for sm_90a only (CMakeLists.txt):
+//  - both GEMMs are wgmma (PTX ISA, "Asynchronous Warpgroup Level Matrix Multiply-Accumulate"):
+//    S = Q K^T with Q and K read by the tensor cores straight from shared memory, and O += P V
+//    with P from registers (the S accumulators, rounded to 16 bits, are already wgmma's A
+//    fragment) and V from shared memory read transposed (imm-trans-b: V's rows are the K
+//    dimension of that GEMM, stored N-major);
+//  - Q, K and V arrive by TMA (cp.async.bulk.tensor) into the 128-byte swizzled layout that the
+//    wgmma descriptors describe, completing on mbarriers; K/V are double-buffered, the next key
+//    block requested while this one computes. O leaves by TMA too, through Q's shared memory.
+// Block: 128 queries, two warpgroups of 64 rows (one m64 wgmma tile each), 128 keys per key
+// block. No warp specialisation yet: thread 0 issues the copies between its own math, and one
+// __syncthreads per key block tells it that both warpgroups are done with a buffer. Each
+// wgmma group is waited for before its results are used (no overlap of one block's softmax with
+// the next block's S yet). Both are later steps (FA3's producer warp + setmaxnreg, and its
+// intra-warpgroup pipelining).
+//
+// Shared memory (base aligned to 1024 bytes, the period of the 128-byte swizzle):
+//   Q [2 column chunks at D = 128][128 rows][128 bytes], then two stages of K and V, each
+//   [chunks][128 keys][128 bytes], then the mbarriers. A row of a 64-column chunk is 128 bytes,
+//   whose 16-byte pieces are permuted by XOR with (row % 8): TMA's CU_TENSOR_MAP_SWIZZLE_128B
+//   writes exactly the layout that a wgmma descriptor with swizzle mode 128B reads.
+#include <cuda.h>  // CUtensorMap and its enums (types only: the driver is reached through the runtime)
+#include <cudaTypedefs.h>
+
+#include <atomic>
+#include <climits>
+
+#include "memtune/ops/cuda/attention_flash_tiles.cuh"
+#include "memtune/ops/cuda/attention_hopper.h"
+
+// wgmma, setmaxnreg and friends exist only in the arch-specific sm_90a target; other passes
+// (sm_80..sm_89, plain sm_90) compile a kernel whose body is a trap, which the launcher never starts.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define MEMTUNE_HOPPER_DEVICE_CODE 1
+#endif
+
+namespace memtune::cuda {
+namespace {
+
+constexpr int kHopperQueries = 128;   // queries per block: two warpgroups of 64 rows
+constexpr int kHopperKeys = 128;      // keys per key block (the N of S = Q K^T)
+constexpr int kHopperThreads = 256;   // two warpgroups
+constexpr int kWarpgroupRows = 64;    // the M of every wgmma
+constexpr int kChunkColumns = 64;     // 16-bit elements in one 128-byte swizzled row
+constexpr uint32_t kSwizzleRowBytes = 128;
+[[maybe_unused]] constexpr uint32_t kSwizzlePeriodBytes = 8 * kSwizzleRowBytes;  // 8 rows: the XOR pattern repeats
+
+// Byte offsets inside the block's shared memory (from its 1024-aligned base).
+template <int D>
+struct HopperLayout {
+  static constexpr int kChunks = D / kChunkColumns;
+  static constexpr uint32_t kQChunkBytes = kHopperQueries * kSwizzleRowBytes;
+  static constexpr uint32_t kKvChunkBytes = kHopperKeys * kSwizzleRowBytes;
+  static constexpr uint32_t kQBytes = kChunks * kQChunkBytes;
+  static constexpr uint32_t kKvBytes = kChunks * kKvChunkBytes;  // one K or one V tile
+  static constexpr uint32_t kStages = kQBytes;  // Q at 0; stage s: K at kStages + s * 2 * kKvBytes, V after it
+  static constexpr uint32_t kBarriers = kStages + 4 * kKvBytes;  // q, k[2], v[2]: 8 bytes each
+  static constexpr int kSharedBytes = static_cast<int>(kBarriers + 5 * 8) + 1024;  // + alignment slack
+};
+
+struct HopperForwardArgs {
+  int seq = 0, heads = 0, kv_group = 1, batch = 0, query_blocks = 0;
+  float scale_log2 = 0.0f;  // softmax scale times log2 e
+  float* lse = nullptr;     // f32 [batch, heads, seq], natural log
+};
+
+#ifdef MEMTUNE_HOPPER_DEVICE_CODE
+
+// ---- mbarrier and TMA (PTX ISA: "mbarrier", "cp.async.bulk.tensor") ----
+
+__device__ __forceinline__ void mbarrier_init(uint32_t barrier, uint32_t arrivals) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(barrier), "r"(arrivals) : "memory");
+}
+
+// One arrival that also announces `bytes` of copies that will complete on the barrier.
+__device__ __forceinline__ void mbarrier_expect_bytes(uint32_t barrier, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(barrier), "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void mbarrier_wait(uint32_t barrier, uint32_t parity) {
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n"
+        ".reg .pred complete;\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 complete, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, complete;\n"
+        "}\n"
+        : "=r"(done)
+        : "r"(barrier), "r"(parity)
+        : "memory");
+  } while (done == 0);
+}
+
+// A box of the 4-D tensor map [batch][seq][heads][head_dim] (innermost last) into shared memory:
+// coordinates innermost first (column, head, row, batch row); rows past the tensor read as zeros.
+__device__ __forceinline__ void tma_load(uint32_t destination, const CUtensorMap& map, int column,
+                                         int head, int row, int batch_row, uint32_t barrier) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3, %4, %5}], [%6];\n" ::"r"(destination),
+      "l"(reinterpret_cast<uint64_t>(&map)), "r"(column), "r"(head), "r"(row), "r"(batch_row),
+      "r"(barrier)
+      : "memory");
+}
+
+// The reverse: a shared-memory box to global memory; rows past the tensor are not written.
+__device__ __forceinline__ void tma_store(const CUtensorMap& map, int column, int head, int row,
+                                          int batch_row, uint32_t source) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.global.shared::cta.tile.bulk_group [%0, {%1, %2, %3, %4}], [%5];\n" ::"l"(
+          reinterpret_cast<uint64_t>(&map)),
+      "r"(column), "r"(head), "r"(row), "r"(batch_row), "r"(source)
+      : "memory");
+}
+
+// ---- wgmma (PTX ISA: "wgmma.mma_async", "Matrix Descriptor Format") ----
+
+// A shared-memory matrix descriptor for a tile in the 128-byte swizzled layout: bits 0-13 the
+// start address >> 4, 16-29 the leading byte offset >> 4, 32-45 the stride byte offset >> 4,
+// 49-51 the base offset (0: every tile starts at a multiple of the 1024-byte swizzle period, and
+// the k-steps inside a period are start-address offsets, as the swizzle is a function of the
+// address bits), 62-63 the swizzle mode (1 = 128 bytes).
+//  K-major operands (Q and K in S = Q K^T; rows of 64 elements contiguous): the stride byte
+//  offset is the distance between 8-row groups (1024); the leading byte offset is unused for
+//  swizzled K-major layouts ("assumed to be 1").
+//  N-major operand (V in O += P V, read with imm-trans-b = 1; N = head_dim contiguous): the
+//  leading byte offset is the distance between 64-column chunks of N, the stride byte offset
+//  the distance between 8-key groups along K (1024).
+__device__ __forceinline__ uint64_t swizzled_descriptor(uint32_t address, uint32_t leading_bytes,
+                                                        uint32_t stride_bytes) {
+  uint64_t descriptor = (address & 0x3FFFFu) >> 4;
+  descriptor |= static_cast<uint64_t>((leading_bytes >> 4) & 0x3FFFu) << 16;
+  descriptor |= static_cast<uint64_t>((stride_bytes >> 4) & 0x3FFFu) << 32;
+  descriptor |= 1ull << 62;
+  return descriptor;
+}
+
+// Orders the warpgroup's register writes before the wgmma that reads them (accumulators, A).
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+
+// Pins an accumulator array in place around the asynchronous wgmma: the compiler must neither
+// read it between a wgmma and its wait (the values are not there yet) nor move writes to it past
+// the fence before a wgmma (CUTLASS calls this a fence on the operand).
+template <int N>
+__device__ __forceinline__ void pin_registers(float (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+// The same for A fragments held in registers (P of O += P V): written before the fence.
+template <int M, int N>
+__device__ __forceinline__ void pin_registers(uint32_t (&r)[M][N]) {
+#pragma unroll
+  for (int i = 0; i < M; ++i)
+#pragma unroll
+    for (int j = 0; j < N; ++j) asm volatile("" : "+r"(r[i][j])::"memory");
+}
+
+// The accumulator operand lists: "{%0, ..., %(n-1)}" and n "+f" constraints on d[0..n).
+#define MT_ACC8(base)                                                                          \
+  "+f"(d[base + 0]), "+f"(d[base + 1]), "+f"(d[base + 2]), "+f"(d[base + 3]), "+f"(d[base + 4]), \
+      "+f"(d[base + 5]), "+f"(d[base + 6]), "+f"(d[base + 7])
+#define MT_ACC32 MT_ACC8(0), MT_ACC8(8), MT_ACC8(16), MT_ACC8(24)
+#define MT_ACC64 MT_ACC32, MT_ACC8(32), MT_ACC8(40), MT_ACC8(48), MT_ACC8(56)
+#define MT_REGS32                                                                                \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
+  "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define MT_REGS64                                                                                \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
+  "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, "  \
+  "%38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, "  \
+  "%56, %57, %58, %59, %60, %61, %62, %63}"
+
+// d (64 x 128, fp32) = A B (+ d where accumulate): A 64 x 16 and B 16 x 128 both K-major in
+// shared memory (S = Q K^T, one k-step of 16 along head_dim).
+template <bool kBf16>
+__device__ __forceinline__ void wgmma_m64n128_shared(float (&d)[64], uint64_t a, uint64_t b, int accumulate) {
+#define MT_WGMMA_SS(TYPE)                                                                     \
+  asm volatile(                                                                               \
+      "{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %66, 0;\n"                          \
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE " " MT_REGS64                \
+      ", %64, %65, accumulate, 1, 1, 0, 0;\n}\n"                                              \
+      : MT_ACC64                                                                              \
+      : "l"(a), "l"(b), "r"(accumulate))
+  if constexpr (kBf16) {
+    MT_WGMMA_SS("bf16");
+  } else {
+    MT_WGMMA_SS("f16");
+  }
+#undef MT_WGMMA_SS
+}
+
+// d (64 x N, fp32) += A B: A 64 x 16 from registers (this thread's four 16-bit pairs, the
+// m16n8k16 A-fragment layout per warp), B 16 x N N-major in shared memory (imm-trans-b = 1).
+template <bool kBf16>
+__device__ __forceinline__ void wgmma_m64n128_registers(float (&d)[64], const uint32_t (&a)[4], uint64_t b) {
+#define MT_WGMMA_RS128(TYPE)                                                                  \
+  asm volatile("wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE " " MT_REGS64       \
+               ", {%64, %65, %66, %67}, %68, 1, 1, 1, 1;\n"                                   \
+               : MT_ACC64                                                                     \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b))
+  if constexpr (kBf16) {
+    MT_WGMMA_RS128("bf16");
+  } else {
+    MT_WGMMA_RS128("f16");
+  }
+#undef MT_WGMMA_RS128
+}
+
+template <bool kBf16>
+__device__ __forceinline__ void wgmma_m64n64_registers(float (&d)[32], const uint32_t (&a)[4], uint64_t b) {
+#define MT_WGMMA_RS64(TYPE)                                                                   \
+  asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " " MT_REGS32        \
+               ", {%32, %33, %34, %35}, %36, 1, 1, 1, 1;\n"                                   \
+               : MT_ACC32                                                                     \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b))
+  if constexpr (kBf16) {
+    MT_WGMMA_RS64("bf16");
+  } else {
+    MT_WGMMA_RS64("f16");
+  }
+#undef MT_WGMMA_RS64
+}
+
+template <int D, bool kBf16>
+__device__ __forceinline__ void wgmma_pv(float (&o)[D / 2], const uint32_t (&p)[4], uint64_t v) {
+  if constexpr (D == 128) {
+    wgmma_m64n128_registers<kBf16>(o, p, v);
+  } else {
+    wgmma_m64n64_registers<kBf16>(o, p, v);
+  }
+}
+
+// Requests key block `block` (K, then V) into `stage`; called by one thread.
+template <int D>
+__device__ __forceinline__ void request_key_block(const CUtensorMap& k_map, const CUtensorMap& v_map,
+                                                  uint32_t base, int stage, int block, int kv_head,
+                                                  int batch_row) {
+  using L = HopperLayout<D>;
+  const uint32_t k_tile = base + L::kStages + stage * 2 * L::kKvBytes, v_tile = k_tile + L::kKvBytes;
+  const uint32_t k_full = base + L::kBarriers + 8 * (1 + stage), v_full = k_full + 16;
+  mbarrier_expect_bytes(k_full, L::kKvBytes);  // the whole box counts, zero-filled rows too
+#pragma unroll
+  for (int c = 0; c < L::kChunks; ++c)
+    tma_load(k_tile + c * L::kKvChunkBytes, k_map, c * kChunkColumns, kv_head, block * kHopperKeys, batch_row, k_full);
+  mbarrier_expect_bytes(v_full, L::kKvBytes);
+#pragma unroll
+  for (int c = 0; c < L::kChunks; ++c)
+    tma_load(v_tile + c * L::kKvChunkBytes, v_map, c * kChunkColumns, kv_head, block * kHopperKeys, batch_row, v_full);
+}
+
+#endif  // MEMTUNE_HOPPER_DEVICE_CODE
+
+// __launch_bounds__(256, 1): one block of 256 threads an SM (its shared memory allows no second
+// at D = 128), so ptxas may give each thread up to 255 registers.
+template <int D, bool kBf16>
+__global__ void __launch_bounds__(kHopperThreads, 1)
+    flash_forward_hopper(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
+                         const __grid_constant__ CUtensorMap v_map, const __grid_constant__ CUtensorMap out_map,
+                         HopperForwardArgs args) {
+#ifdef MEMTUNE_HOPPER_DEVICE_CODE
+  using L = HopperLayout<D>;
+  extern __shared__ uint8_t shared_raw[];
+  const uint32_t raw_address = shared_address(shared_raw);
+  const uint32_t base = (raw_address + kSwizzlePeriodBytes - 1) & ~(kSwizzlePeriodBytes - 1);
+  uint8_t* const base_pointer = shared_raw + (base - raw_address);
+  const uint32_t q_full = base + L::kBarriers;
+
+  // Heaviest (last) query blocks first over the whole grid, as forward v2: the short causal
+  // blocks fill the tail.
+  const int heads_batch = args.heads * args.batch;
+  const int from_last = static_cast<int>(blockIdx.x) / heads_batch;
+  const int head_row = static_cast<int>(blockIdx.x) % heads_batch;
+  const int q_block = args.query_blocks - 1 - from_last;
+  const int h = head_row % args.heads, b = head_row / args.heads, kv_head = h / args.kv_group;
+  const int q0 = q_block * kHopperQueries;
+  const int seq = args.seq;
+
+  const int thread = static_cast<int>(threadIdx.x);
+  const int warpgroup = thread / 128, warp = (thread / 32) % 4, lane = thread % 32;
+  const int group_id = lane / 4, thread_in_group = lane % 4;
+  // This thread's two rows (the m16n8 C-fragment rows of its warp), within the warpgroup's 64.
+  const int row_a = warp * 16 + group_id, row_b = row_a + 8;
+  const int warpgroup_q0 = q0 + warpgroup * kWarpgroupRows;
+  const int query_a = warpgroup_q0 + row_a, query_b = warpgroup_q0 + row_b;
+  const int last_query = min(q0 + kHopperQueries, seq) - 1;
+  const int key_blocks = last_query / kHopperKeys + 1;
+
+  if (thread == 0) {
+    for (int i = 0; i < 5; ++i) mbarrier_init(q_full + 8 * i, 1);
+    // The copy engine (the async proxy) must see the initialised barriers.
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+  }
+  __syncthreads();
+  if (thread == 0) {
+    mbarrier_expect_bytes(q_full, L::kQBytes);
+#pragma unroll
+    for (int c = 0; c < L::kChunks; ++c)
+      tma_load(base + c * L::kQChunkBytes, q_map, c * kChunkColumns, h, q0, b, q_full);
+    request_key_block<D>(k_map, v_map, base, 0, 0, kv_head, b);
+  }
+
+  // Q (A of S = Q K^T) for this warpgroup's 64 rows, K-major; k-step kk of 16 columns lies in
+  // chunk kk / 4 at byte 32 * (kk % 4) of each swizzled row.
+  const uint64_t q_descriptor =
+      swizzled_descriptor(base + warpgroup * kWarpgroupRows * kSwizzleRowBytes, 16, kSwizzlePeriodBytes);
+
+  float o[D / 2];
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
+  // Row state for row_a and row_b; the max in the exp2 domain (scores times scale * log2 e).
+  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
+
+  mbarrier_wait(q_full, 0);
+#pragma unroll 1
+  for (int block = 0; block < key_blocks; ++block) {
+    const int stage = block & 1;
+    const uint32_t parity = (block >> 1) & 1;
+    // The other stage was last read by the previous block, which every warpgroup finished
+    // before the barrier that ended it: refill it with the next block while this one computes.
+    if (thread == 0 && block + 1 < key_blocks)
+      request_key_block<D>(k_map, v_map, base, stage ^ 1, block + 1, kv_head, b);
+    const uint32_t k_tile = base + L::kStages + stage * 2 * L::kKvBytes, v_tile = k_tile + L::kKvBytes;
+    const uint32_t k_full = base + L::kBarriers + 8 * (1 + stage), v_full = k_full + 16;
+
+    // S = Q K^T: 64 x 128 per warpgroup, D / 16 k-steps.
+    float s[kHopperKeys / 2];
+    mbarrier_wait(k_full, parity);
+    const uint64_t k_descriptor = swizzled_descriptor(k_tile, 16, kSwizzlePeriodBytes);
+    pin_registers(s);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const uint32_t q_step = (kk / 4) * L::kQChunkBytes + (kk % 4) * 32;
+      const uint32_t k_step = (kk / 4) * L::kKvChunkBytes + (kk % 4) * 32;
+      wgmma_m64n128_shared<kBf16>(s, q_descriptor + (q_step >> 4), k_descriptor + (k_step >> 4), kk > 0);
+    }
+    wgmma_commit();
+    wgmma_wait_all();
+    pin_registers(s);
+
+    // Causal mask, only where some key of the block lies past the warp's first row. Keys past
+    // seq (zero-filled by TMA) lie past every valid query, so the causal mask hides them too.
+    const int k0 = block * kHopperKeys;
+    if (k0 + kHopperKeys - 1 > warpgroup_q0 + warp * 16) {
+#pragma unroll
+      for (int nt = 0; nt < kHopperKeys / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int key = k0 + nt * 8 + 2 * thread_in_group + e;
+          if (key > query_a) s[4 * nt + e] = -INFINITY;
+          if (key > query_b) s[4 * nt + 2 + e] = -INFINITY;
+        }
+    }
+
+    // Online softmax on raw scores (forward v2's form): max first, then one FFMA and one ex2
+    // per probability. The four threads of a quad hold one row between them.
+    float block_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int nt = 0; nt < kHopperKeys / 8; ++nt) {
+      block_max[0] = fmaxf(block_max[0], fmaxf(s[4 * nt], s[4 * nt + 1]));
+      block_max[1] = fmaxf(block_max[1], fmaxf(s[4 * nt + 2], s[4 * nt + 3]));
+    }
+    float correction[2], base_max[2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float m = block_max[half];
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+      const float new_max = fmaxf(row_max[half], m * args.scale_log2);
+      // A row that has seen nothing yet keeps max -inf; subtracting 0 then keeps exp2 at 0
+      // instead of exp2(-inf - -inf) = NaN.
+      base_max[half] = new_max == -INFINITY ? 0.0f : new_max;
+      correction[half] = exp2_approx(row_max[half] - base_max[half]);
+      row_max[half] = new_max;
+    }
+    float local_sum[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int nt = 0; nt < kHopperKeys / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int half = e / 2;
+        s[4 * nt + e] = exp2_approx(fmaf(s[4 * nt + e], args.scale_log2, -base_max[half]));
+        local_sum[half] += s[4 * nt + e];
+      }
+    row_sum[0] = row_sum[0] * correction[0] + local_sum[0];
+    row_sum[1] = row_sum[1] * correction[1] + local_sum[1];
+
+    // P in 16 bits as wgmma's A fragments: k-step kc (keys 16 kc .. 16 kc + 15) is the C
+    // fragments of n8 tiles 2 kc and 2 kc + 1, as in forward v2's mma.sync.
+    uint32_t p[kHopperKeys / 16][4];
+#pragma unroll
+    for (int kc = 0; kc < kHopperKeys / 16; ++kc) {
+      p[kc][0] = pack2<kBf16>(s[8 * kc + 0], s[8 * kc + 1]);
+      p[kc][1] = pack2<kBf16>(s[8 * kc + 2], s[8 * kc + 3]);
+      p[kc][2] = pack2<kBf16>(s[8 * kc + 4], s[8 * kc + 5]);
+      p[kc][3] = pack2<kBf16>(s[8 * kc + 6], s[8 * kc + 7]);
+    }
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) o[i] *= correction[(i / 2) % 2];
+
+    // O += P V: V is [keys][head_dim] with head_dim contiguous, the N-major form of B (16 keys
+    // x D); k-step kc starts 16 rows (2048 bytes, two swizzle periods) further.
+    mbarrier_wait(v_full, parity);
+    const uint64_t v_descriptor = swizzled_descriptor(v_tile, L::kKvChunkBytes, kSwizzlePeriodBytes);
+    pin_registers(p);
+    pin_registers(o);
+    wgmma_fence();
+#pragma unroll
+    for (int kc = 0; kc < kHopperKeys / 16; ++kc)
+      wgmma_pv<D, kBf16>(o, p[kc], v_descriptor + ((kc * 16 * kSwizzleRowBytes) >> 4));
+    wgmma_commit();
+    wgmma_wait_all();
+    pin_registers(o);
+    // Both warpgroups are done with this stage: thread 0 may refill it next iteration but one.
+    __syncthreads();
+  }
+
+  // Epilogue: O / sum in 16 bits into this warpgroup's own Q rows (only its wgmmas read them,
+  // and they are complete), in the same swizzled layout, then out by TMA, which clips the rows
+  // past seq. The 4-byte stores of a warp hit 32 different banks: 8 rows x 4 threads, each row's
+  // piece permuted by the XOR with its row.
+  float inverse[2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    float sum = row_sum[half];
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    row_sum[half] = sum;
+    inverse[half] = sum > 0.0f ? 1.0f / sum : 0.0f;
+  }
+  uint8_t* const o_rows = base_pointer + warpgroup * kWarpgroupRows * kSwizzleRowBytes;
+#pragma unroll
+  for (int nt = 0; nt < D / 8; ++nt) {
+    const int chunk = nt / 8, piece = nt % 8;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = half == 0 ? row_a : row_b;
+      const uint32_t packed = pack2<kBf16>(o[4 * nt + 2 * half] * inverse[half], o[4 * nt + 2 * half + 1] * inverse[half]);
+      *reinterpret_cast<uint32_t*>(o_rows + chunk * L::kQChunkBytes + row * kSwizzleRowBytes +
+                                   ((piece ^ (row % 8)) * 16) + thread_in_group * 4) = packed;
+    }
+  }
+  if (thread_in_group == 0) {
+    float* head_lse = args.lse + (static_cast<int64_t>(b) * args.heads + h) * seq;
+    if (query_a < seq) head_lse[query_a] = (row_max[0] + log2f(row_sum[0])) * kLn2;
+    if (query_b < seq) head_lse[query_b] = (row_max[1] + log2f(row_sum[1])) * kLn2;
+  }
+  // Generic-proxy writes that the copy engine reads next: fence, then the warpgroup's barrier.
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+  asm volatile("bar.sync %0, 128;\n" ::"r"(1 + warpgroup) : "memory");
+  if (thread % 128 == 0 && warpgroup_q0 < seq) {
+#pragma unroll
+    for (int c = 0; c < L::kChunks; ++c)
+      tma_store(out_map, c * kChunkColumns, h, warpgroup_q0, b,
+                base + c * L::kQChunkBytes + warpgroup * kWarpgroupRows * kSwizzleRowBytes);
+    asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+    // The block's shared memory must outlive the copy's reads of it.
+    asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+  }
+#elif defined(__CUDA_ARCH__)
+  __trap();  // an image without the sm_90a code: never launched (hopper_kernel_runs_here), loud if it is
+#endif  // MEMTUNE_HOPPER_DEVICE_CODE
+}
+
+// ================================ host side =====================================================
+
+using EncodeTiled = PFN_cuTensorMapEncodeTiled_v12000;
+
+// cuTensorMapEncodeTiled through the runtime's driver entry point (no link against libcuda);
+// null where the driver does not have it.
+EncodeTiled encode_tiled_function() {
+  static const EncodeTiled function = [] {
+    void* address = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &address, 12000, cudaEnableDefault, &found) !=
+            cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      cudaGetLastError();
+      return static_cast<EncodeTiled>(nullptr);
+    }
+    return reinterpret_cast<EncodeTiled>(address);
+  }();
+  return function;
+}
+
+// A [batch][seq][heads][head_dim] tensor of 16-bit rows as a 4-D tensor map whose box is one
+// 64-column (128-byte) chunk of `box_rows` rows of one head, written to shared memory in the
+// 128-byte swizzle; rows past seq read as zeros (and are not written by stores).
+bool encode_head_rows(CUtensorMap* map, const void* data, bool bf16, int64_t batch, int64_t seq,
+                      int64_t heads, int64_t head_dim, uint32_t box_rows) {
+  const EncodeTiled encode = encode_tiled_function();
+  if (encode == nullptr) return false;
+  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(head_dim), static_cast<cuuint64_t>(heads),
+                              static_cast<cuuint64_t>(seq), static_cast<cuuint64_t>(batch)};
+  const cuuint64_t strides[3] = {static_cast<cuuint64_t>(head_dim * 2), static_cast<cuuint64_t>(heads * head_dim * 2),
+                                 static_cast<cuuint64_t>(seq * heads * head_dim * 2)};  // bytes, dims 1..3
+  const cuuint32_t box[4] = {kChunkColumns, 1, box_rows, 1};
+  const cuuint32_t element_strides[4] = {1, 1, 1, 1};
+  const CUresult result =
+      encode(map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
+             const_cast<void*>(data), dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+             CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return result == CUDA_SUCCESS;
+}
+
+// Whether the current device is compute capability 9.0 and the binary holds this file's sm_90a
+// kernel for it, cached per device. Only the build that compiles this file for sm_90a alone
+// (CMakeLists.txt, MEMTUNE_HOPPER_SM90A) has it: compiled with the other architectures, the file
+// may carry PTX of an older target that the driver would JIT for a 9.0 device, into the kernel
+// whose body is a trap.
+bool hopper_kernel_runs_here() {
+#ifndef MEMTUNE_HOPPER_SM90A
+  return false;
+#endif
+  constexpr int kDevices = 64;
+  static std::atomic<int> cached[kDevices] = {};  // 0 unknown, 1 yes, 2 no
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  if (device >= kDevices) device = kDevices - 1;
+  int state = cached[device].load(std::memory_order_relaxed);
+  if (state == 0) {
+    int major = 0, minor = 0;
+    MT_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    MT_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+    bool runs = major == 9 && minor == 0;
+    if (runs) {
+      cudaFuncAttributes attributes{};
+      runs = cudaFuncGetAttributes(&attributes, flash_forward_hopper<128, true>) == cudaSuccess;
+      cudaGetLastError();  // a missing image is an answer here, not an error for the next launch
+    }
+    state = runs ? 1 : 2;
+    cached[device].store(state, std::memory_order_relaxed);
+  }
+  return state == 1;
+}
+
+template <int D, bool kBf16>
+bool launch_hopper(const AttentionParams& p, const FlashTensors& t, cudaStream_t stream) {
+  constexpr int bytes = HopperLayout<D>::kSharedBytes;
+  if (flash_max_shared_per_block() < bytes) return false;
+  CUtensorMap q_map, k_map, v_map, out_map;
+  if (!encode_head_rows(&q_map, t.q, kBf16, p.batch, p.seq, p.n_heads, D, kHopperQueries) ||
+      !encode_head_rows(&k_map, t.k, kBf16, p.batch, p.seq, p.n_kv_heads, D, kHopperKeys) ||
+      !encode_head_rows(&v_map, t.v, kBf16, p.batch, p.seq, p.n_kv_heads, D, kHopperKeys) ||
+      !encode_head_rows(&out_map, t.out, kBf16, p.batch, p.seq, p.n_heads, D, kWarpgroupRows))
+    return false;
+  HopperForwardArgs args;
+  args.seq = static_cast<int>(p.seq);
+  args.heads = static_cast<int>(p.n_heads);
+  args.kv_group = static_cast<int>(p.n_heads / p.n_kv_heads);
+  args.batch = static_cast<int>(p.batch);
+  args.query_blocks = static_cast<int>((p.seq + kHopperQueries - 1) / kHopperQueries);
+  args.scale_log2 = p.scale * kLog2e;
+  args.lse = t.lse;
+  const unsigned blocks = static_cast<unsigned>(static_cast<int64_t>(args.query_blocks) * p.n_heads * p.batch);
+  allow_shared(flash_forward_hopper<D, kBf16>, bytes);
+  flash_forward_hopper<D, kBf16><<<blocks, kHopperThreads, bytes, stream>>>(q_map, k_map, v_map, out_map, args);
+  MT_CUDA_CHECK_LAUNCH();
+  return true;
+}
+
+}  // namespace
+
+bool flash_forward_hopper_serves(const AttentionParams& p, const FlashTensors& t) {
+  if (p.segments != nullptr) return false;  // packed rows: a later step
+  if (p.head_dim != 64 && p.head_dim != 128) return false;
+  const DType type = t.q_type;
+  if (type != DType::bf16 && type != DType::f16) return false;
+  if (t.k_type != type || t.v_type != type || t.out_type != type) return false;
+  if (!aligned16(t.q) || !aligned16(t.k) || !aligned16(t.v) || !aligned16(t.out) || t.lse == nullptr) return false;
+  if (p.batch < 1 || p.seq < 1 || p.n_kv_heads < 1 || p.n_heads % p.n_kv_heads != 0) return false;
+  // 32-bit coordinates and block arithmetic; one grid dimension.
+  const int64_t blocks = (p.seq + kHopperQueries - 1) / kHopperQueries * p.n_heads * p.batch;
+  if (p.seq > INT_MAX - kHopperQueries || p.n_heads > INT_MAX || blocks > INT_MAX) return false;
+  return hopper_kernel_runs_here();
+}
+
+bool launch_flash_forward_hopper(const AttentionParams& p, const FlashTensors& t, cudaStream_t stream) {
+  if (!flash_forward_hopper_serves(p, t)) return false;
+  const bool bf16 = t.q_type == DType::bf16;
+  if (p.head_dim == 64)
+    return bf16 ? launch_hopper<64, true>(p, t, stream) : launch_hopper<64, false>(p, t, stream);
+  return bf16 ? launch_hopper<128, true>(p, t, stream) : launch_hopper<128, false>(p, t, stream);
+}
+
+}  // namespace memtune::cuda

@@ -1,0 +1,216 @@
+// The Hopper forward of flash attention (attention_hopper.h; wgmma + TMA, sm_90a), not yet used by
+// the step: its out and lse against the CPU backend's flash forward at odd shapes (bf16 and f16,
+// head_dim 64 and 128, GQA, causal), the existing flash backward run on what it saved against the
+// CPU backward, and a timing print beside forward v2 and cuDNN. Skips without a GPU, on devices
+// other than compute capability 9.0, and in builds without its sm_90a kernel.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <functional>
+
+#include "gpu_test_util.h"
+#include "gpu_timing.h"
+#include "memtune/ops/cuda/attention_hopper.h"
+#include "memtune/ops/cuda/cuda_ops.h"
+#include "../support/attention_setup.h"
+
+namespace memtune::gputest {
+namespace {
+
+using optest::random_tensor;
+
+struct Config {
+  int64_t batch, seq, heads, kv_heads, head_dim;
+};
+
+std::string label(const Config& c, DType type) {
+  return "b" + std::to_string(c.batch) + " s" + std::to_string(c.seq) + " h" + std::to_string(c.heads) + "/" +
+         std::to_string(c.kv_heads) + " d" + std::to_string(c.head_dim) + " " + optest::dtype_label(type);
+}
+
+cuda::AttentionParams params_of(const Config& c) {
+  const AttentionDims dims = test::attention_dims_of(c);
+  cuda::AttentionParams p;
+  p.batch = dims.batch;
+  p.seq = dims.seq;
+  p.n_heads = dims.n_heads;
+  p.n_kv_heads = dims.n_kv_heads;
+  p.head_dim = dims.head_dim;
+  p.scale = dims.scale;
+  return p;
+}
+
+cuda::FlashTensors forward_tensors(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k,
+                                   const Tensor& v) {
+  cuda::FlashTensors t;
+  t.q = q.data;
+  t.k = k.data;
+  t.v = v.data;
+  t.out = out.data;
+  t.q_type = q.dtype;
+  t.k_type = k.dtype;
+  t.v_type = v.dtype;
+  t.out_type = out.dtype;
+  t.lse = static_cast<float*>(lse.data);
+  return t;
+}
+
+// ||a - b|| / ||b|| over two equally long arrays, in double (the timing shapes hold 67M values:
+// expect_close's double copies would take longer than the timing).
+double relative_error(const std::vector<float>& a, const std::vector<float>& b, bool& finite) {
+  double difference = 0.0, norm = 0.0;
+  finite = a.size() == b.size();
+  for (size_t i = 0; i < a.size() && i < b.size(); ++i) {
+    finite = finite && std::isfinite(a[i]);
+    difference += (static_cast<double>(a[i]) - b[i]) * (static_cast<double>(a[i]) - b[i]);
+    norm += static_cast<double>(b[i]) * b[i];
+  }
+  return norm > 0.0 ? std::sqrt(difference / norm) : std::sqrt(difference);
+}
+
+class CudaHopperAttentionTest : public CudaTest {
+ protected:
+  void SetUp() override {
+    CudaTest::SetUp();
+    if (IsSkipped()) return;
+    int device = 0, major = 0, minor = 0;
+    ASSERT_EQ(cudaGetDevice(&device), cudaSuccess);
+    ASSERT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), cudaSuccess);
+    ASSERT_EQ(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device), cudaSuccess);
+    if (major != 9 || minor != 0)
+      GTEST_SKIP() << "compute capability " << major << "." << minor
+                   << ": the Hopper (sm_90a) attention forward needs 9.0; skipped";
+    // A shape it serves: false only where the binary lacks the sm_90a kernel.
+    DeviceTensor probe(gpu(), DType::bf16, Shape{64});
+    DeviceTensor lse(gpu(), DType::f32, Shape{1});
+    const Tensor p = probe;
+    if (!cuda::flash_forward_hopper_serves(params_of(Config{1, 1, 1, 1, 64}), forward_tensors(p, lse, p, p, p)))
+      GTEST_SKIP() << "this build has no sm_90a kernel (MEMTUNE_CUDA_ARCHS without 90); skipped";
+  }
+};
+
+// Against the CPU backend's flash forward (fp32 math on the same 16-bit inputs): out within the
+// storage tolerance, lse (fp32) within 1e-4; then the existing flash backward, fed the Hopper
+// forward's out and lse, against the CPU backward. Outputs are poisoned with NaN first.
+TEST_F(CudaHopperAttentionTest, ForwardMatchesCpuAndFeedsTheBackward) {
+  const Config configs[] = {{1, 1, 1, 1, 64},      {1, 77, 4, 1, 64},    {2, 300, 8, 2, 128},
+                            {1, 1000, 4, 4, 128},  {1, 2049, 8, 2, 64},  {2, 129, 2, 1, 128},
+                            {1, 128, 2, 2, 64},    {3, 255, 4, 2, 128}};
+  for (const Config& c : configs)
+    for (DType type : {DType::bf16, DType::f16}) {
+      SCOPED_TRACE(label(c, type));
+      const AttentionDims dims = test::attention_dims_of(c);
+      const int64_t n = c.batch * c.seq;
+      const HostTensor hq = random_tensor(type, Shape{n, c.heads * c.head_dim}, rng_, -1.5, 1.5);
+      const HostTensor hk = random_tensor(type, Shape{n, c.kv_heads * c.head_dim}, rng_, -1.5, 1.5);
+      const HostTensor hv = random_tensor(type, Shape{n, c.kv_heads * c.head_dim}, rng_);
+      const HostTensor hdo = random_tensor(type, Shape{n, c.heads * c.head_dim}, rng_);
+      const Shape rows{c.batch * c.heads * c.seq};
+
+      HostTensor cpu_out(type, hq.shape), cpu_lse(DType::f32, rows), cpu_delta(DType::f32, rows);
+      HostTensor cpu_dq(type, hq.shape), cpu_dk(type, hk.shape), cpu_dv(type, hk.shape);
+      HostTensor cpu_dq_accum(DType::f32, hq.shape);
+      cpu().attention_flash_forward(cpu_out, cpu_lse, hq, hk, hv, Tensor{}, dims);
+      cpu().attention_flash_backward(cpu_dq, cpu_dk, cpu_dv, cpu_delta, cpu_dq_accum, hdo, cpu_out, cpu_lse, hq, hk,
+                                     hv, Tensor{}, dims);
+
+      DeviceTensor q = upload(hq), k = upload(hk), v = upload(hv), d_out = upload(hdo);
+      DeviceTensor out = poisoned(type, hq.shape), lse = poisoned(DType::f32, rows);
+      ASSERT_TRUE(cuda::launch_flash_forward_hopper(params_of(c), forward_tensors(out, lse, q, k, v), nullptr));
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      expect_close("hopper out", out.floats(), cpu_out.floats(), storage_tolerance(type));
+      expect_close("hopper lse", lse.floats(), cpu_lse.floats(), 1e-4);
+
+      DeviceTensor dq = poisoned(type, hq.shape), dk = poisoned(type, hk.shape), dv = poisoned(type, hk.shape);
+      DeviceTensor delta = poisoned(DType::f32, rows), dq_accum = poisoned(DType::f32, hq.shape);
+      gpu().attention_flash_backward(dq, dk, dv, delta, dq_accum, d_out, out, lse, q, k, v, Tensor{}, dims);
+      expect_close("backward on hopper forward dq", dq.floats(), cpu_dq.floats(), storage_tolerance(type));
+      expect_close("backward on hopper forward dk", dk.floats(), cpu_dk.floats(), storage_tolerance(type));
+      expect_close("backward on hopper forward dv", dv.floats(), cpu_dv.floats(), storage_tolerance(type));
+    }
+}
+
+// What the launcher refuses, launching nothing: packed rows, head_dims other than 64/128, f32,
+// mixed dtypes, misaligned pointers.
+TEST_F(CudaHopperAttentionTest, RefusesWhatItDoesNotServe) {
+  DeviceTensor buffer(gpu(), DType::bf16, Shape{4096});
+  DeviceTensor lse(gpu(), DType::f32, Shape{64});
+  DeviceTensor segments(gpu(), DType::i32, Shape{64});
+  const Tensor b = buffer;
+  const cuda::AttentionParams good = params_of(Config{1, 16, 2, 1, 64});
+  const cuda::FlashTensors t = forward_tensors(b, lse, b, b, b);
+  EXPECT_TRUE(cuda::flash_forward_hopper_serves(good, t));
+  cuda::AttentionParams packed = good;
+  packed.segments = static_cast<const int32_t*>(segments.tensor().data);
+  EXPECT_FALSE(cuda::launch_flash_forward_hopper(packed, t, nullptr));
+  cuda::AttentionParams d96 = good;
+  d96.head_dim = 96;
+  EXPECT_FALSE(cuda::launch_flash_forward_hopper(d96, t, nullptr));
+  cuda::FlashTensors f32 = t;
+  f32.q_type = f32.k_type = f32.v_type = f32.out_type = DType::f32;
+  EXPECT_FALSE(cuda::launch_flash_forward_hopper(good, f32, nullptr));
+  cuda::FlashTensors mixed = t;
+  mixed.out_type = DType::f16;
+  EXPECT_FALSE(cuda::launch_flash_forward_hopper(good, mixed, nullptr));
+  cuda::FlashTensors misaligned = t;
+  misaligned.k = static_cast<const uint8_t*>(t.k) + 2;
+  EXPECT_FALSE(cuda::launch_flash_forward_hopper(good, misaligned, nullptr));
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+}
+
+// A timing print, not a test (its only assertions: the Hopper forward's out and lse agree with
+// forward v2's): the Hopper forward beside forward v2 (the backend's attention_flash_forward) and,
+// in builds with cuDNN, cuDNN's forward, at the shapes of CudnnAttentionTest.TimingPrintCudnnVsFlash.
+// TFLOP/s with FA2's causal count (half the S x S products, 2 GEMMs: 4 * pairs * head_dim).
+TEST_F(CudaHopperAttentionTest, TimingPrintHopperForward) {
+  for (const Config c : {Config{8, 2048, 32, 8, 128}, Config{2, 8192, 32, 8, 128}, Config{1, 32768, 32, 8, 128},
+                         Config{8, 2048, 32, 8, 64}}) {
+    const AttentionDims dims = test::attention_dims_of(c);
+    const int64_t n = c.batch * c.seq;
+    const Shape q_shape{n, c.heads * c.head_dim}, kv_shape{n, c.kv_heads * c.head_dim}, rows{c.batch * c.heads * c.seq};
+    DeviceTensor q(gpu(), DType::bf16, q_shape), k(gpu(), DType::bf16, kv_shape), v(gpu(), DType::bf16, kv_shape);
+    // Scores of a few units, as the other timing tests: q and k uniform in [-1.5, 1.5).
+    gpu().fill_random(q, Backend::Distribution::uniform, -1.5f, 1.5f, 11);
+    gpu().fill_random(k, Backend::Distribution::uniform, -1.5f, 1.5f, 12);
+    gpu().fill_random(v, Backend::Distribution::uniform, -1.0f, 1.0f, 13);
+    DeviceTensor out(gpu(), DType::bf16, q_shape), lse(gpu(), DType::f32, rows);
+    DeviceTensor v2_out(gpu(), DType::bf16, q_shape), v2_lse(gpu(), DType::f32, rows);
+    const Tensor none;
+    const cuda::AttentionParams p = params_of(c);
+    const cuda::FlashTensors t = forward_tensors(out, lse, q, k, v);
+    ASSERT_TRUE(cuda::launch_flash_forward_hopper(p, t, nullptr)) << label(c, DType::bf16);
+
+    auto time_ms = [](const std::function<void()>& run) { return median_event_ms(run, 3); };
+    const double hopper = time_ms([&] { cuda::launch_flash_forward_hopper(p, t, nullptr); });
+    const double v2 = time_ms([&] { gpu().attention_flash_forward(v2_out, v2_lse, q, k, v, none, dims); });
+    double cudnn = 0.0;
+    if (cudnn_attention_available()) {
+      DeviceTensor workspace(gpu(), DType::f32, Shape{std::max<int64_t>(1, cudnn_attention_workspace_floats(dims, false))});
+      DeviceTensor cudnn_out(gpu(), DType::bf16, q_shape), cudnn_lse(gpu(), DType::f32, rows);
+      cudnn = time_ms([&] {
+        gpu().attention_cudnn_forward(cudnn_out, cudnn_lse, q, k, v, none, RaggedAttention{}, workspace, dims);
+      });
+    }
+    const double pairs = static_cast<double>(c.batch) * c.heads * c.seq * c.seq / 2.0;
+    const double flops = 4.0 * pairs * c.head_dim;
+    auto tflops = [&](double ms) { return flops / (ms * 1e-3) / 1e12; };
+    std::printf("TIMING attention forward %s causal (median of 7):\n", label(c, DType::bf16).c_str());
+    std::printf("  hopper (wgmma+TMA) %8.3f ms %7.1f TFLOP/s\n", hopper, tflops(hopper));
+    std::printf("  v2 (mma.sync)      %8.3f ms %7.1f TFLOP/s\n", v2, tflops(v2));
+    if (cudnn > 0.0) std::printf("  cudnn              %8.3f ms %7.1f TFLOP/s\n", cudnn, tflops(cudnn));
+
+    bool finite_out = false, finite_lse = false;
+    const double out_error = relative_error(out.floats(), v2_out.floats(), finite_out);
+    const double lse_error = relative_error(lse.floats(), v2_lse.floats(), finite_lse);
+    std::printf("  hopper vs v2: out %.2e, lse %.2e (relative norm)\n", out_error, lse_error);
+    EXPECT_TRUE(finite_out && finite_lse) << label(c, DType::bf16);
+    EXPECT_LT(out_error, storage_tolerance(DType::bf16)) << label(c, DType::bf16);
+    EXPECT_LT(lse_error, 1e-4) << label(c, DType::bf16);
+    EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+  }
+}
+
+}  // namespace
+}  // namespace memtune::gputest
