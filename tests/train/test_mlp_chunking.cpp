@@ -12,6 +12,7 @@
 #include "memtune/core/error.h"
 #include "memtune/model/llama_config.h"
 #include "memtune/ops/backend.h"
+#include "memtune/ops/timed_backend.h"
 #include "memtune/train/engine_arena.h"
 #include "../support/engine_setup.h"
 #include "memtune/train/yaml_config.h"
@@ -137,6 +138,69 @@ TEST(MlpChunking, QloraChunkedStepIsCloseToTheWholeMlpStep) {
   EXPECT_EQ(got.loss, whole.loss);
   // The LoRA grads accumulate in fp32; only the order of the sum over tokens changed.
   EXPECT_LT(rel_error(got.grads, whole.grads), 1e-5);
+}
+
+// hold_chunk_weights: a chunked pass of a layer dequantizes each 4-bit projection once and keeps
+// the copy for all its chunks, instead of once per chunk. The same dense weights feed the same
+// ops, so the step is the same to the bit; the plan grows by at most the held copies and still
+// equals the engine's peak; and fit_token_chunks gives the room back where a budget needs it.
+TEST(MlpChunking, HeldWeightsGiveTheSameStepWithOneDequantizationAPass) {
+  const LlamaConfig model = small_model();
+  RunConfig run = small_run();
+  run.precision = Precision::bf16;
+  run.load_in_4bit = true;
+  run.attn_implementation = "flash";
+  run.lora_dropout = 0.1;
+  run.mlp_chunk_tokens = 7;  // 48 rows: 7 chunks a pass
+  struct Counted {
+    double loss;
+    std::vector<float> grads;
+    int64_t dequantizations;
+    uint64_t planned;
+  };
+  const auto counted_step = [&](bool hold) {
+    RunConfig r = run;
+    r.hold_chunk_weights = hold;
+    auto cpu = make_cpu_backend();
+    TimedBackend timed(*cpu);
+    PlannedEngine engine(timed, r, model);
+    init_with_nonzero_b(engine.engine());
+    timed.set_enabled(true);
+    const StepReport report = engine->train_step(random_batches(model, r, 2, 5));
+    timed.set_enabled(false);
+    int64_t calls = 0;
+    for (const OpTime& op : timed.ops())
+      if (op.op == "dequantize_4bit") calls = op.calls;
+    EXPECT_EQ(engine->memory().allocator().high_water(), engine.plan().arena_bytes) << "hold " << hold;
+    return Counted{report.loss, adapter_grads(engine.engine()), calls, engine.plan().arena_bytes};
+  };
+  const Counted held = counted_step(true), per_chunk = counted_step(false);
+  EXPECT_EQ(held.loss, per_chunk.loss);
+  EXPECT_EQ(held.grads, per_chunk.grads);
+  // Per layer and micro-batch: the forward's 7 projections, the recompute's q/k/v, the backward's
+  // 7 (checkpointing), each once.
+  EXPECT_EQ(held.dequantizations, 17 * model.num_hidden_layers * 2);
+  EXPECT_GT(per_chunk.dequantizations, 6 * held.dequantizations);
+  // The most held at once: o, gate, up and down in bf16.
+  const uint64_t held_bytes =
+      2 * static_cast<uint64_t>(model.hidden_size * model.hidden_size + 3 * model.hidden_size * model.intermediate_size);
+  EXPECT_GT(held.planned, per_chunk.planned);
+  EXPECT_LE(held.planned, per_chunk.planned + held_bytes + 4096) << held.planned << " vs " << per_chunk.planned;
+
+  // fit_token_chunks: a budget with room for the held copies keeps them, one without turns them off.
+  RunConfig holding = run, not_holding = run;
+  not_holding.hold_chunk_weights = false;
+  const uint64_t with_room = plan_run(holding, model, Device::cuda).arena_bytes;
+  const uint64_t without_room = plan_run(not_holding, model, Device::cuda).arena_bytes;
+  ASSERT_GT(with_room, without_room);
+  RunConfig fitted = run;
+  EXPECT_TRUE(fit_token_chunks(fitted, model, with_room, 0));
+  EXPECT_TRUE(fitted.hold_chunk_weights);
+  EXPECT_TRUE(fit_token_chunks(fitted, model, without_room, 0));
+  EXPECT_FALSE(fitted.hold_chunk_weights);
+  EXPECT_NE(fit_flags(fitted).find("--hold_chunk_weights false"), std::string::npos);
+  fitted.hold_chunk_weights = true;
+  EXPECT_FALSE(fit_token_chunks(fitted, model, without_room - 1, 0));
 }
 
 TEST(MlpChunking, ChunkingShrinksThePlanWhereTheMlpDominates) {

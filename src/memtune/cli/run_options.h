@@ -37,6 +37,7 @@ inline void add_run_options(CLI::App& app, RunConfig& run, RunFlags& flags) {
   app.add_flag("--use_rslora", run.use_rslora, "scale by alpha/sqrt(r)");
   app.add_option("--lora_target_modules", run.lora_target_modules, "all-linear or q_proj,k_proj,...")->capture_default_str();
   app.add_option("--stacked_lora", run.stacked_lora, "one LoRA A GEMM for q/k/v and one for gate/up (same math, measured faster); false: one per projection")->capture_default_str();
+  app.add_option("--hold_chunk_weights", run.hold_chunk_weights, "with token chunks and a 4-bit base: dequantize each projection once per chunked pass, not once per chunk (same math, more memory); false: once per chunk")->capture_default_str();
   app.add_option("--learning_rate,--lr", run.learning_rate)->capture_default_str();
   app.add_option("--weight_decay", run.weight_decay)->capture_default_str();
   app.add_option("--adam_beta1", run.adam_beta1)->capture_default_str();

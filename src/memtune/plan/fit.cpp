@@ -39,14 +39,26 @@ bool fit_token_chunks(RunConfig& run, const LlamaConfig& model, uint64_t budget,
   const auto fits = [&](const RunConfig& r) {
     return plan_run(r, model, Device::cuda, world_size).arena_bytes + context <= budget;
   };
-  if (run.mlp_chunk_tokens != RunConfig::kAutoTokenChunks) return fits(run);
+  // Holding a chunked pass's dequantized weights (hold_chunk_weights, asked for) is the speed; where
+  // the budget needs its room, the same chunks without it come before smaller chunks, which cost more.
+  const bool hold = run.hold_chunk_weights;
+  const auto fits_holding_or_not = [&](RunConfig& r) {
+    r.hold_chunk_weights = hold;
+    if (fits(r)) return true;
+    if (!hold || r.mlp_chunk_tokens <= 0 || !r.load_in_4bit) return false;
+    r.hold_chunk_weights = false;
+    if (fits(r)) return true;
+    r.hold_chunk_weights = hold;
+    return false;
+  };
+  if (run.mlp_chunk_tokens != RunConfig::kAutoTokenChunks) return fits_holding_or_not(run);
   const int64_t tokens = run.per_device_train_batch_size * run.max_seq_length;
   std::vector<int64_t> chunks{run.resolved_token_chunk_rows()};
   for (int64_t rows : {2048, 1024, 512, 256})
     if (rows < tokens && (chunks.back() == 0 || rows < chunks.back())) chunks.push_back(rows);
   for (int64_t rows : chunks) {
     run.mlp_chunk_tokens = rows;
-    if (fits(run)) return true;
+    if (fits_holding_or_not(run)) return true;
   }
   return false;
 }
@@ -62,6 +74,7 @@ std::string fit_flags(const RunConfig& r) {
   flags += fmt::format(" --per_device_train_batch_size {} --gradient_accumulation_steps {}", r.per_device_train_batch_size,
                        r.gradient_accumulation_steps);
   if (r.mlp_chunk_tokens > 0) flags += fmt::format(" --mlp_chunk_tokens {}", r.mlp_chunk_tokens);
+  if (r.mlp_chunk_tokens > 0 && r.load_in_4bit && !r.hold_chunk_weights) flags += " --hold_chunk_weights false";
   return flags;
 }
 
@@ -143,6 +156,8 @@ RunConfig max_context_stack(const RunConfig& base, bool offload_activations) {
   run.bnb_4bit_compute_dtype.clear();  // the stack's precision
   // The leanest chunks that still run the GEMMs well: the 1024 rows measured at 131,072 tokens.
   if (run.mlp_chunk_tokens <= 0) run.mlp_chunk_tokens = 1024;
+  // The longest context: the room that held dequantized weights would take goes to tokens.
+  run.hold_chunk_weights = false;
   run.offload_activations = offload_activations;
   run.per_device_train_batch_size = 1;
   run.gradient_accumulation_steps = 1;

@@ -27,7 +27,8 @@ FitResult fit_run(const RunConfig& base, const LlamaConfig& model, uint64_t budg
 
 // Under a budget, an auto mlp_chunk_tokens (RunConfig::kAutoTokenChunks) becomes the largest
 // token chunk whose plan plus the context fits: the auto default first, then 2048, 1024, 512 and
-// 256 rows (smaller chunks cost speed, bench/NOTES.md). An explicit value is kept. Returns
+// 256 rows (smaller chunks cost speed, bench/NOTES.md), each with hold_chunk_weights as asked and
+// then, for a 4-bit base, without it (its room, before smaller chunks). An explicit value is kept. Returns
 // whether the run, as it now is, fits; `run` is left at the smallest chunk tried when none does.
 bool fit_token_chunks(RunConfig& run, const LlamaConfig& model, uint64_t budget_bytes,
                       uint64_t context_bytes, int world_size = 1);

@@ -17,6 +17,7 @@ nlohmann::json run_config_json(const RunConfig& run, const LlamaConfig& model) {
           {"loss_implementation", run.loss_implementation},
           {"loss_chunk_tokens", run.loss_chunk_tokens},
           {"mlp_chunk_tokens", run.resolved_token_chunk_rows()},
+          {"hold_chunk_weights", run.hold_chunk_weights},
           {"offload_activations", run.offload_activations},
           {"offload_embeddings", run.offload_embeddings},
           {"offload_optimizer", run.offload_optimizer},

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 
 #include "memtune/model/llama_config.h"
 #include "memtune/ops/ragged_attention.h"
@@ -258,6 +259,7 @@ Tensor LlamaStep::frozen_weight(int layer, Projection p) {
   const LayerWeights& lw = layer_weights(layer);
   const Quantized4bit& q = lw.quantized[static_cast<int>(p)];
   if (q.empty()) return lw.projections[static_cast<int>(p)];
+  if (layer == held_layer_ && !held_weights_[static_cast<int>(p)].empty()) return held_weights_[static_cast<int>(p)];
   // QLoRA: one projection at a time is dequantized into compute-dtype scratch.
   Tensor w = memory_.alloc(fmt::format("layers.{}.{}.dequantized", layer, projection_name(p)),
                            MemCategory::workspace, options_.compute_dtype, q.shape);
@@ -266,7 +268,29 @@ Tensor LlamaStep::frozen_weight(int layer, Projection p) {
 }
 
 void LlamaStep::release_frozen_weight(int layer, Projection p, const Tensor& w) {
+  if (layer == held_layer_ && w.data == held_weights_[static_cast<int>(p)].data) return;
   if (!layer_weights(layer).quantized[static_cast<int>(p)].empty()) memory_.free(w);
+}
+
+LlamaStep::HeldWeights::HeldWeights(LlamaStep& step, int layer, std::initializer_list<Projection> projections)
+    : step_(step) {
+  if (!step.options_.hold_chunk_weights) return;
+  MT_ASSERT(step.held_layer_ < 0, "weights of layer {} held while holding layer {}'s", layer, step.held_layer_);
+  for (Projection p : projections) {
+    if (step.layer_weights(layer).quantized[static_cast<int>(p)].empty()) continue;
+    step.held_weights_[static_cast<int>(p)] = step.frozen_weight(layer, p);
+    held_.push_back(p);
+  }
+  if (!held_.empty()) step.held_layer_ = layer;
+}
+
+LlamaStep::HeldWeights::~HeldWeights() {
+  for (auto it = held_.rbegin(); it != held_.rend(); ++it) {
+    Tensor& w = step_.held_weights_[static_cast<int>(*it)];
+    step_.memory_.free(w);
+    w = Tensor{};
+  }
+  if (!held_.empty()) step_.held_layer_ = -1;
 }
 
 Act LlamaStep::projection_output(Act id) const {
@@ -415,24 +439,28 @@ Tensor LlamaStep::layer_forward_chunked(int layer, LayerState& s, bool recompute
   act(k_out) = alloc_act(k_out, layer, keep);
   act(Act::v) = alloc_act(Act::v, layer, keep);
   const ActiveChunk in_chunks(active_chunk_rows_, chunk_rows);
-  for (int64_t begin = 0; begin < tokens_; begin += chunk_rows) {
-    const int64_t end = std::min(tokens_, begin + chunk_rows);
-    LayerState chunk;
-    Tensor& normed = chunk.acts[static_cast<int>(Act::norm1_out)];
-    Tensor& rstd = chunk.acts[static_cast<int>(Act::norm1_rstd)];
-    normed = alloc_act_rows(Act::norm1_out, layer, transient, end - begin, begin);
-    rstd = alloc_act_rows(Act::norm1_rstd, layer, transient, end - begin, begin);
-    backend_.rmsnorm_forward(normed, rstd, x.slice_rows(begin, end), w.input_norm, eps);
-    const Tensor qkv_rows[] = {act(q_out).slice_rows(begin, end), act(k_out).slice_rows(begin, end),
-                               act(Act::v).slice_rows(begin, end)};
-    linear_group_forward(layer, kLoraInputGroups[0], normed, begin, qkv_rows, nullptr, transient, dropout_seed,
-                         training);
-    free_layer(chunk, /*keep_input=*/false);
+  {
+    const HeldWeights qkv_weights(*this, layer, {Projection::q, Projection::k, Projection::v});
+    for (int64_t begin = 0; begin < tokens_; begin += chunk_rows) {
+      const int64_t end = std::min(tokens_, begin + chunk_rows);
+      LayerState chunk;
+      Tensor& normed = chunk.acts[static_cast<int>(Act::norm1_out)];
+      Tensor& rstd = chunk.acts[static_cast<int>(Act::norm1_rstd)];
+      normed = alloc_act_rows(Act::norm1_out, layer, transient, end - begin, begin);
+      rstd = alloc_act_rows(Act::norm1_rstd, layer, transient, end - begin, begin);
+      backend_.rmsnorm_forward(normed, rstd, x.slice_rows(begin, end), w.input_norm, eps);
+      const Tensor qkv_rows[] = {act(q_out).slice_rows(begin, end), act(k_out).slice_rows(begin, end),
+                                 act(Act::v).slice_rows(begin, end)};
+      linear_group_forward(layer, kLoraInputGroups[0], normed, begin, qkv_rows, nullptr, transient, dropout_seed,
+                           training);
+      free_layer(chunk, /*keep_input=*/false);
+    }
   }
   attention_forward(layer, s, keep);
   // The backward recomputes the o projection, norm2 and the MLP chunk by chunk.
   if (recompute) return Tensor{};
 
+  const HeldWeights row_wise_weights(*this, layer, {Projection::o, Projection::gate, Projection::up, Projection::down});
   for (int64_t begin = 0; begin < tokens_; begin += chunk_rows) {
     const int64_t end = std::min(tokens_, begin + chunk_rows);
     LayerState chunk;
@@ -609,6 +637,9 @@ void LlamaStep::layer_backward_chunked(int layer, LayerState& s, const Tensor& d
   // projection from there into the chunk's rows of d_attn.
   Tensor d_attn = alloc_tokens(prefix + "d_attn_out", transient, cd, act(Act::attn_out).shape);
   const ActiveChunk in_chunks(active_chunk_rows_, chunk_rows);
+  std::optional<HeldWeights> row_wise_weights(std::in_place, *this, layer,
+                                              std::initializer_list<Projection>{Projection::o, Projection::gate,
+                                                                                Projection::up, Projection::down});
   for (int64_t begin = 0; begin < tokens_; begin += chunk_rows) {
     const int64_t end = std::min(tokens_, begin + chunk_rows);
     const Tensor attn_rows = act(Act::attn_out).slice_rows(begin, end);
@@ -631,9 +662,12 @@ void LlamaStep::layer_backward_chunked(int layer, LayerState& s, const Tensor& d
     free_layer(chunk, /*keep_input=*/false);
   }
 
+  row_wise_weights.reset();
+
   // Attention over the whole sequence.
   Tensor dq, dk, dv;
   qkv_output_grads(layer, s, d_attn, dq, dk, dv);
+  const HeldWeights qkv_weights(*this, layer, {Projection::q, Projection::k, Projection::v});
 
   // Per chunk: recompute norm1 and the q/k/v LoRA inputs, back-propagate the projections into
   // d_norm1's rows and norm1 into d_resid's (which then holds the grad of the layer input).

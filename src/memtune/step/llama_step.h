@@ -59,6 +59,7 @@
 #include <array>
 #include <string>
 #include <functional>
+#include <initializer_list>
 #include <vector>
 
 #include "memtune/core/memory.h"
@@ -94,6 +95,12 @@ struct StepOptions {
   // LoRA of the projections that read one input (q/k/v, gate/up) stacked where the adapters
   // allow it (linear_group_forward); false: one projection at a time. The same math.
   bool stacked_lora = false;
+  // With token chunks and a 4-bit base: a chunked pass of a layer dequantizes each projection
+  // once and keeps the dense copies until the pass ends (HeldWeights), instead of once per chunk
+  // (at 131,072 tokens in 1,024-row chunks, 128 times). Costs the pass's dense weights at once
+  // (o, gate, up and down: ~386 MB at 8B); the same math. fit_token_chunks turns it off where
+  // the budget needs that room.
+  bool hold_chunk_weights = false;
   int64_t micro_batch = 1, seq = 0;
 };
 
@@ -248,8 +255,23 @@ class LlamaStep {
                     int64_t first_row, uint64_t dropout_seed);
   // The dense [out, in] weight of a projection: the stored one, or (4-bit base) a dequantized
   // copy in planned scratch, given back with release_frozen_weight.
+  // A projection that HeldWeights holds is served from its copy and not given back.
   Tensor frozen_weight(int layer, Projection p);
   void release_frozen_weight(int layer, Projection p, const Tensor& w);
+  // While alive: the given 4-bit projections of `layer` dequantized once, for every frozen_weight
+  // call of a chunked pass (StepOptions::hold_chunk_weights; nothing where it is off). Freed in
+  // reverse order when it goes out of scope.
+  class HeldWeights {
+   public:
+    HeldWeights(LlamaStep& step, int layer, std::initializer_list<Projection> projections);
+    ~HeldWeights();
+    HeldWeights(const HeldWeights&) = delete;
+    HeldWeights& operator=(const HeldWeights&) = delete;
+
+   private:
+    LlamaStep& step_;
+    std::vector<Projection> held_;  // in allocation order
+  };
   // The projections take x as rows of the layer's [N, in] input starting at row first_row (0 for
   // the whole input, the chunk's first row in a chunked MLP): the LoRA dropout masks element
   // (first_row + i, j) of the whole input, so chunking does not change the mask.
@@ -312,6 +334,9 @@ class LlamaStep {
   int64_t tokens_;
   // Token rows per chunk while a chunked layer runs (alloc_chunk's reserve); 0 outside one.
   int64_t active_chunk_rows_ = 0;
+  // The dense copies that a HeldWeights serves (of layer held_layer_), by projection; empty: not held.
+  int held_layer_ = -1;
+  std::array<Tensor, kNumProjections> held_weights_;
   float lora_scale_;
   float lora_dropout_;
   Tensor inv_freq_;  // f32 [head_dim / 2]

@@ -102,6 +102,7 @@ StepOptions RunConfig::step_options() const {
   o.offload_activations = offload_activations;
   o.packed_rows = packed_rows;
   o.stacked_lora = stacked_lora;
+  o.hold_chunk_weights = hold_chunk_weights;
   o.micro_batch = per_device_train_batch_size;
   o.seq = max_seq_length;
   return o;

@@ -74,6 +74,10 @@ struct RunConfig {
   // measured 1.3% faster on 8B QLoRA and 16-bit LoRA at 2 x 2048, the same device peak
   // (bench/results/2026-12-06-h100-peers). false: one A GEMM per projection.
   bool stacked_lora = true;
+  // With token chunks and a 4-bit base, each chunked pass of a layer dequantizes a projection once
+  // instead of once per chunk (StepOptions::hold_chunk_weights); the same math, ~386 MB more at
+  // the peak at 8B. fit_token_chunks turns it off where a budget needs that room.
+  bool hold_chunk_weights = true;
   double learning_rate = 2e-4;
   double weight_decay = 0.0;
   double adam_beta1 = 0.9, adam_beta2 = 0.999, adam_epsilon = 1e-8;

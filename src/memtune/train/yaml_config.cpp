@@ -34,6 +34,7 @@ std::set<std::string> apply_run_yaml(const std::filesystem::path& path, RunConfi
       {"loss_implementation", set(run.loss_implementation)},
       {"loss_chunk_tokens", set(run.loss_chunk_tokens)},
       {"mlp_chunk_tokens", set(run.mlp_chunk_tokens)},
+      {"hold_chunk_weights", set(run.hold_chunk_weights)},
       {"offload_activations", set(run.offload_activations)},
       {"offload_embeddings", set(run.offload_embeddings)},
       {"offload_optimizer", set(run.offload_optimizer)},
