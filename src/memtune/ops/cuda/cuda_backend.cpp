@@ -362,24 +362,6 @@ void CudaBackend::swiglu_backward(const Tensor& d_gate, const Tensor& d_up, cons
                                d_out.numel(), stream_);
 }
 
-void CudaBackend::swiglu_lora_forward(const Tensor& out, const Tensor& gate, const Tensor& up,
-                                      const Tensor& ut_gate, const Tensor& b_gate, const Tensor& ut_up,
-                                      const Tensor& b_up, float scale) {
-  check_swiglu_forward_inputs(out, gate, up, check_float_tensor);
-  const int64_t rows = gate.rows(), cols = gate.cols(), rank = b_gate.cols();
-  MT_ASSERT(ut_gate.rows() == rank && ut_gate.cols() == rows && ut_up.shape == ut_gate.shape && b_gate.rows() == cols &&
-                b_up.shape == b_gate.shape,
-            "swiglu_lora_forward: gate {} with u^T {} / {} and B {} / {}", gate.shape.str(), ut_gate.shape.str(),
-            ut_up.shape.str(), b_gate.shape.str(), b_up.shape.str());
-  const DType t = gate.dtype;
-  const bool one_dtype = out.dtype == t && up.dtype == t && ut_gate.dtype == t && ut_up.dtype == t && b_gate.dtype == t &&
-                         b_up.dtype == t;
-  if (one_dtype && cuda::launch_swiglu_lora_forward(out.data, gate.data, up.data, ut_gate.data, b_gate.data, ut_up.data,
-                                                    b_up.data, t, scale, rows, cols, rank, stream_))
-    return;
-  Backend::swiglu_lora_forward(out, gate, up, ut_gate, b_gate, ut_up, b_up, scale);
-}
-
 void CudaBackend::lora_residual_forward(const Tensor& y, const Tensor& u, const Tensor& b, float scale,
                                         const Tensor& residual) {
   const int64_t rows = y.rows(), cols = y.cols(), rank = b.cols();

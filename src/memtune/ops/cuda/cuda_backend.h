@@ -74,9 +74,7 @@ class CudaBackend final : public Backend {
   void swiglu_forward(const Tensor& out, const Tensor& gate, const Tensor& up) override;
   void swiglu_backward(const Tensor& d_gate, const Tensor& d_up, const Tensor& d_out,
                        const Tensor& gate, const Tensor& up) override;
-  // One pass each (lora_epilogue.cu) where the kernels serve the call, else backend.h's ops.
-  void swiglu_lora_forward(const Tensor& out, const Tensor& gate, const Tensor& up, const Tensor& ut_gate,
-                           const Tensor& b_gate, const Tensor& ut_up, const Tensor& b_up, float scale) override;
+  // One pass (lora_epilogue.cu) where the kernel serves the call, else backend.h's two ops.
   void lora_residual_forward(const Tensor& y, const Tensor& u, const Tensor& b, float scale,
                              const Tensor& residual) override;
 

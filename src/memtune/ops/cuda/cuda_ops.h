@@ -104,13 +104,10 @@ void launch_swiglu_backward(void* d_gate, DType d_gate_type, void* d_up, DType d
                             DType gate_type, const void* up, DType up_type, int64_t n,
                             cudaStream_t stream);
 
-// A LoRA B term in the pass that consumes it (lora_epilogue.cu): one storage dtype for every
-// operand, contiguous rows; ut_* [rank, rows], u [rows, rank], b_* [cols, rank]. Returns false,
-// launching nothing, where the kernels do not serve the call (a rank other than 4, 8, 16, 32, a
+// A projection's LoRA B term with the residual add in one pass (lora_epilogue.cu): one storage
+// dtype for every operand, contiguous rows; u [rows, rank], b [cols, rank]. Returns false,
+// launching nothing, where the kernel does not serve the call (a rank other than 4, 8, 16, a
 // dtype mix, or generic_kernels_only()): the caller then runs the separate ops.
-bool launch_swiglu_lora_forward(void* out, void* gate, void* up, const void* ut_gate, const void* b_gate,
-                                const void* ut_up, const void* b_up, DType dtype, float scale, int64_t rows,
-                                int64_t cols, int64_t rank, cudaStream_t stream);
 bool launch_lora_residual_forward(void* y, const void* u, const void* b, const void* residual, DType dtype,
                                   float scale, int64_t rows, int64_t cols, int64_t rank, cudaStream_t stream);
 

@@ -1,21 +1,24 @@
-// A LoRA B term made in the pass that consumes it (backend.h: swiglu_lora_forward and
+// A projection's LoRA B term made in the pass that adds the residual (backend.h:
 // lora_residual_forward), instead of a rank-r GEMM that reads and writes the whole output only to
-// add a rank-r term onto it:
-//   swiglu_lora:    gate += s * ut_gate^T b_gate^T;  up += s * ut_up^T b_up^T;  out = silu(gate) * up
-//                   5 passes over a [rows, cols] tensor (read gate, up; write gate, up, out)
-//                   where the three ops make 9;
-//   lora_residual:  y += s * u b^T;  y += residual
-//                   3 passes (read y, residual; write y) where the two ops make 5.
-// The ranks are small (4-32), so each thread keeps its columns' rows of B in registers for the
-// whole block and takes the rows' LoRA inputs, staged once per block in shared memory, as
-// broadcast reads: the dot products are a few FMAs per element against a stream of memory.
+// add a rank-r term onto it:  y += s * u b^T;  y += residual  in 3 passes over y's [rows, cols]
+// (read y, residual; write y) where the two ops make 5.
+// The ranks are small, so each thread keeps its columns' rows of B in fp32 registers for the whole
+// block and takes the rows' LoRA inputs, staged once per block in shared memory, as broadcast
+// reads: the dot products are a few FMAs per element against a stream of memory.
 //
-// Rounding: as the ops it replaces. Each sum is alpha * dot + beta * c in fp32 (beta 1), rounded
-// once to the storage type, as the GEMM's epilogue does; SwiGLU and the residual add then read the
-// rounded values. Only the dot's fp32 summation order differs from the GEMM's.
+// Measured (H100, 2026-12-07, bench/NOTES.md): at an 8B step's shapes the op takes 13.9 ms a step
+// where the two ops took 14.5 at r16, and is slower than them at r32 (B's 128 registers a thread
+// halve the occupancy), so ranks 4, 8 and 16 are served. The same scheme for the gate/up B terms
+// with SwiGLU (two B matrices: 123 registers at r16) measured no faster than cuBLAS's rank-16
+// GEMMs and the vectorised SwiGLU kernel in the step and is not used (bench/NOTES.md says what a
+// faster one needs).
 //
-// Served: one storage type for every operand, ranks 4, 8, 16 and 32 (the ranks people train),
-// contiguous rows. Anything else returns false and the backend runs the ops of the default.
+// Rounding: as the ops it replaces. The sum is alpha * dot + beta * y in fp32 (beta 1), rounded
+// once to the storage type, as the GEMM's epilogue does; the residual add then reads the rounded
+// value. Only the dot's fp32 summation order differs from the GEMM's.
+//
+// Served: one storage type for every operand, ranks 4, 8 and 16, contiguous rows. Anything else
+// returns false and the backend runs the two ops of the default.
 #include <cstdint>
 #include <initializer_list>
 #include <type_traits>
@@ -32,8 +35,6 @@ constexpr int kThreads = 256;
 // 64 keeps a step's [4096, 14336] at ~1,800 blocks, several waves over the SMs.
 constexpr int kRowsPerBlock = 64;
 constexpr int kUnroll = 4;
-
-__device__ __forceinline__ float sigmoid(float g) { return 1.0f / (1.0f + expf(-g)); }
 
 // Columns per thread: C consecutive elements moved in one access of C * sizeof(T) bytes.
 template <typename T, int C>
@@ -87,58 +88,6 @@ __device__ __forceinline__ void row_dots(const float* u, const float (&b)[C][R],
 // grid: (column blocks of kThreads * C columns, row blocks of kRowsPerBlock rows).
 template <typename T, int R, int C>
 __global__ void __launch_bounds__(kThreads)
-    swiglu_lora_kernel(T* out, T* gate, T* up, const T* ut_gate, const T* b_gate, const T* ut_up, const T* b_up,
-                       float scale, int64_t rows, int64_t cols) {
-  __shared__ __align__(16) float u_gate[kRowsPerBlock][R];
-  __shared__ __align__(16) float u_up[kRowsPerBlock][R];
-  const int64_t row0 = static_cast<int64_t>(blockIdx.y) * kRowsPerBlock;
-  const int block_rows = static_cast<int>((rows - row0 < kRowsPerBlock ? rows - row0 : kRowsPerBlock));
-  // ut_* is [R, rows]: consecutive threads read consecutive rows of one k.
-  for (int e = threadIdx.x; e < R * kRowsPerBlock; e += kThreads) {
-    const int k = e / kRowsPerBlock, t = e % kRowsPerBlock;
-    const bool in = t < block_rows;
-    u_gate[t][k] = in ? to_float(ut_gate[k * rows + row0 + t]) : 0.0f;
-    u_up[t][k] = in ? to_float(ut_up[k * rows + row0 + t]) : 0.0f;
-  }
-  const int64_t col = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * C;
-  float bg[C][R], bu[C][R];
-  load_b_rows<T, R, C>(b_gate, col, cols, bg);
-  load_b_rows<T, R, C>(b_up, col, cols, bu);
-  __syncthreads();
-  if (col >= cols) return;
-  // kUnroll rows' loads are issued before any of their math, so that each thread has several
-  // accesses in flight (B's registers keep occupancy low, so the memory parallelism comes from here).
-  for (int t0 = 0; t0 < block_rows; t0 += kUnroll) {
-    float g[kUnroll][C], u[kUnroll][C];
-#pragma unroll
-    for (int i = 0; i < kUnroll; ++i)
-      if (t0 + i < block_rows) {
-        const int64_t at = (row0 + t0 + i) * cols + col;
-        load_columns<T, C>(gate + at, g[i]);
-        load_columns<T, C>(up + at, u[i]);
-      }
-#pragma unroll
-    for (int i = 0; i < kUnroll; ++i) {
-      if (t0 + i >= block_rows) break;
-      const int64_t at = (row0 + t0 + i) * cols + col;
-      float dot_g[C], dot_u[C], activated[C];
-      row_dots<R, C>(u_gate[t0 + i], bg, dot_g);
-      row_dots<R, C>(u_up[t0 + i], bu, dot_u);
-#pragma unroll
-      for (int c = 0; c < C; ++c) {
-        g[i][c] = round_through<T>(fmaf(scale, dot_g[c], g[i][c]));
-        u[i][c] = round_through<T>(fmaf(scale, dot_u[c], u[i][c]));
-        activated[c] = g[i][c] * sigmoid(g[i][c]) * u[i][c];  // as swiglu.cu
-      }
-      store_columns<T, C>(gate + at, g[i]);
-      store_columns<T, C>(up + at, u[i]);
-      store_columns<T, C>(out + at, activated);
-    }
-  }
-}
-
-template <typename T, int R, int C>
-__global__ void __launch_bounds__(kThreads)
     lora_residual_kernel(T* y, const T* u, const T* b, float scale, const T* residual, int64_t rows, int64_t cols) {
   __shared__ __align__(16) float u_rows[kRowsPerBlock][R];
   const int64_t row0 = static_cast<int64_t>(blockIdx.y) * kRowsPerBlock;
@@ -181,7 +130,6 @@ bool with_rank(int64_t r, F&& f) {
     case 4: f(std::integral_constant<int, 4>{}); return true;
     case 8: f(std::integral_constant<int, 8>{}); return true;
     case 16: f(std::integral_constant<int, 16>{}); return true;
-    case 32: f(std::integral_constant<int, 32>{}); return true;
     default: return false;
   }
 }
@@ -205,31 +153,6 @@ dim3 grid_of(int64_t rows, int64_t cols, int columns_per_thread) {
 }
 
 }  // namespace
-
-bool launch_swiglu_lora_forward(void* out, void* gate, void* up, const void* ut_gate, const void* b_gate,
-                                const void* ut_up, const void* b_up, DType dtype, float scale, int64_t rows,
-                                int64_t cols, int64_t rank, cudaStream_t stream) {
-  if (generic_kernels_only()) return false;
-  if (rows == 0 || cols == 0) return true;
-  bool launched = false;
-  with_float_type(dtype, [&](auto type_tag) {
-    using T = typename decltype(type_tag)::type;
-    launched = with_rank(rank, [&](auto rank_tag) {
-      constexpr int R = decltype(rank_tag)::value;
-      auto launch = [&](auto columns_tag) {
-        constexpr int C = decltype(columns_tag)::value;
-        swiglu_lora_kernel<T, R, C><<<grid_of(rows, cols, C), kThreads, 0, stream>>>(
-            static_cast<T*>(out), static_cast<T*>(gate), static_cast<T*>(up), static_cast<const T*>(ut_gate),
-            static_cast<const T*>(b_gate), static_cast<const T*>(ut_up), static_cast<const T*>(b_up), scale, rows,
-            cols);
-      };
-      if (two_columns<T>(cols, {out, gate, up})) launch(std::integral_constant<int, 2>{});
-      else launch(std::integral_constant<int, 1>{});
-    });
-  });
-  if (launched) MT_CUDA_CHECK_LAUNCH();
-  return launched;
-}
 
 bool launch_lora_residual_forward(void* y, const void* u, const void* b, const void* residual, DType dtype,
                                   float scale, int64_t rows, int64_t cols, int64_t rank, cudaStream_t stream) {
