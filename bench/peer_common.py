@@ -671,24 +671,29 @@ def bisect_max_context(probe, lo: int, hi: int, unit: int) -> tuple[int | None, 
 def run_max_context(args, report: dict, probe, model_config) -> dict:
     """The --max-context mode of either peer: bisection over multiples of --context-unit in
     [--context-min, --context-max] at batch 1 under --cap-gib, each length in its own child
-    running --probe-steps steps (probe(seq, steps) -> the child's result), then
-    --context-steps timed steps (+1 untimed) at the longest that fitted, in a fresh child."""
+    running --context-steps timed steps + 1 untimed (probe(seq, steps) -> the child's result).
+    A length fits when all of them ran: the optimizer's state is allocated in the first step, so a
+    one-step probe can pass at a length whose second step runs out of memory. The longest
+    fitting probe is the timed run (no second process at that length)."""
+    steps = args.context_steps + 1
+    runs: dict[int, dict] = {}
 
     def fits(seq: int) -> dict:
-        result = probe(seq, args.probe_steps)
+        result = probe(seq, steps)
+        runs[seq] = result
         return {"seq": seq, "fits": bool(result.get("measured")), "error": result.get("error"),
                 "peak_reserved_bytes": result.get("peak_reserved_bytes"),
                 "device_peak_bytes": result.get("device_peak_bytes"), "wall_seconds": result.get("wall_seconds")}
 
     found, probes = bisect_max_context(fits, args.context_min, args.context_max, args.context_unit)
     mc = {"cap_gib": args.cap_gib, "unit": args.context_unit, "range": [args.context_min, args.context_max],
-          "probe_steps": args.probe_steps, "probes": probes, "max_seq": found,
+          "probe_steps": steps, "probes": probes, "max_seq": found,
           "max_position_embeddings": getattr(model_config, "max_position_embeddings", None),
-          "rule": "longest multiple of unit whose probe ran all its steps (bisection: assumes fitting is monotone "
-                  "in the length); then context_steps timed steps at it in a fresh process"}
+          "rule": "longest multiple of unit whose probe ran all its steps, context_steps timed + 1 untimed "
+                  "(bisection: assumes fitting is monotone in the length); that probe is the timed run"}
     report["max_context"] = mc
-    if found:
-        run = probe(found, args.context_steps + 1)
+    if found:  # the bisection returns only lengths that it probed
+        run = runs[found]
         mc["run"] = {k: run.get(k) for k in ("measured", "error", "tokens_per_second", "step_seconds",
                                                "device_peak_bytes", "peak_reserved_bytes", "timed_steps")}
         report["rungs"].append(run)
@@ -829,8 +834,8 @@ def add_shared_args(p) -> None:
     g.add_argument("--context-min", type=int, default=1024, help="shortest length tried")
     g.add_argument("--context-max", type=int, default=262144, help="longest length tried")
     g.add_argument("--context-unit", type=int, default=1024, help="lengths are multiples of this")
-    g.add_argument("--probe-steps", type=int, default=1, help="optimizer steps a probe runs (fits = all ran)")
-    g.add_argument("--context-steps", type=int, default=2, help="timed steps at the length found (+1 untimed)")
+    g.add_argument("--context-steps", type=int, default=2, help="timed steps of each probe (+1 untimed; 0: "
+                   "one step, timed with its warm-up)")
     g.add_argument("--probe-timeout", type=float, default=600, help="seconds before a probe's process is killed")
     g.add_argument("--context-seq", type=int, default=0, help=argparse_suppress())
 
@@ -852,6 +857,8 @@ def check_shared_args(p, args) -> None:
         p.error("--packing needs --data")
     if args.max_context and args.context_unit < 1:
         p.error("--context-unit must be >= 1")
+    if args.max_context and args.context_steps < 0:
+        p.error("--context-steps must be >= 0 (0: one step, timed with its warm-up)")
     if args.max_context and not (0 < args.context_min <= args.context_max):
         p.error("--context-min must be in (0, --context-max]")
     if args.repeat < 1:

@@ -12,6 +12,8 @@
 #       ladder-offload  the same ladder with --offload_activations (the checkpointing rungs keep
 #                  their checkpointed layer inputs in pinned host memory), into ladder-offload/
 #       peer       bench/peer_hf.py: transformers + PEFT (+ bitsandbytes) on the same rungs
+#       sdpa       bench/attention_peer.py alone: PyTorch SDPA (flash, cuDNN) on the attention timing
+#                  shapes (the peer part runs it too)
 #       bench      the op benchmarks in BIN_DIR (bench_*), where built
 #       fullstack  single 8B training runs at the ladder's shape: the full stack (auto and 1024-row
 #                  token chunks, and with activation offload) and the flash rung with activation +
@@ -28,7 +30,8 @@
 #                  the longest row as Unsloth pads (UNSLOTH_DATA_PACKING=1: packed too)
 #       unsloth-context  the longest trainable context at batch 1, QLoRA, under each cap of CONTEXT_CAPS
 #                  (default "24 80" GiB; torch.cuda.set_per_process_memory_fraction), bisection over
-#                  multiples of CONTEXT_UNIT in [CONTEXT_MIN, CONTEXT_MAX], then 2 timed steps
+#                  multiples of CONTEXT_UNIT in [CONTEXT_MIN, CONTEXT_MAX], each probe CONTEXT_STEPS
+#                  (2) timed steps + 1 untimed; the longest probe that ran them all is the timed run
 #       liger      bench/peer_hf.py --liger on the ladder's rungs (transformers + PEFT + bnb + Liger)
 #       peer-data  bench/peer_hf.py, QLoRA full stack, 2 x 2048, accumulation 2, on sft-tasks.jsonl x
 #                  DATA_REPEAT with the Llama 3 tokenizer, unpacked (padded to the longest row) and
@@ -62,7 +65,8 @@
 # TOKENIZER (default BIN_DIR/tokenizer.json, which prepare-devbin copies unless DEVBIN_SLIM=1, else
 # BIN_DIR/tokenizer.json.gz),
 # CONTEXT_CAPS ("24 80"), CONTEXT_MIN (16384), CONTEXT_MAX (131072), CONTEXT_UNIT (8192),
-# CONTEXT_TIMEOUT (per cap, 540), PROBE_TIMEOUT (per probe, 240). The last lines printed are a
+# CONTEXT_TIMEOUT (per cap, 540), PROBE_TIMEOUT (per probe, 240), CONTEXT_STEPS (2; 0: one untimed
+# step, a fits-or-not probe). The last lines printed are a
 # summary per part.
 set -u
 BIN_DIR=${1:-build}
@@ -137,7 +141,7 @@ DATA_REPEAT=${DATA_REPEAT:-30}
 UNSLOTH_MODEL_DIR=${UNSLOTH_MODEL_DIR:-/tmp/peer-unsloth-model}   # 16 GB: never under $WORK (tarred)
 export UNSLOTH_COMPILE_LOCATION=${UNSLOTH_COMPILE_LOCATION:-/tmp/peer-unsloth-compiled}
 CONTEXT_CAPS=${CONTEXT_CAPS:-24 80}
-CONTEXT_ARGS="--context-min ${CONTEXT_MIN:-16384} --context-max ${CONTEXT_MAX:-131072} --context-unit ${CONTEXT_UNIT:-8192} --probe-timeout ${PROBE_TIMEOUT:-240} --context-steps 2"
+CONTEXT_ARGS="--context-min ${CONTEXT_MIN:-16384} --context-max ${CONTEXT_MAX:-131072} --context-unit ${CONTEXT_UNIT:-8192} --probe-timeout ${PROBE_TIMEOUT:-240} --context-steps ${CONTEXT_STEPS:-2}"
 # The ladder's shape and optimizer, as the peer part passes them.
 PEER_SHAPE="--config $ROOT/configs/models/$LADDER_MODEL.json --lr 2e-4 --weight-decay 0 --max-grad-norm 1.0 --lora-r 16 --lora-alpha 16"
 # One summary line per measured rung of a peer JSON: tokens/s (real and target where data), peaks.
@@ -240,13 +244,23 @@ if has_part ladder-offload; then
   tail -c 3000 "$WORK/ladder-offload.log"
 fi
 
+# PyTorch SDPA's attention (flash and cuDNN backends) on the GPU tests' timing shapes.
+time_sdpa() {
+  timeout 120 python3 "$ROOT/bench/attention_peer.py" > "$WORK/attention_peer.log" 2>&1
+  echo "attention_peer.py exit code: $?"; cat "$WORK/attention_peer.log"
+}
+
+if has_part sdpa && ! has_part peer; then
+  stamp sdpa
+  time_sdpa
+fi
+
 if has_part peer; then
   stamp peer
   # Sourced: where pip refuses a system install it installs to a folder and exports PYTHONPATH.
   # (with no positional arguments: the installer reads its own)
   install_peer_wheels_once
-  timeout 120 python3 "$ROOT/bench/attention_peer.py" > "$WORK/attention_peer.log" 2>&1
-  echo "attention_peer.py exit code: $?"; cat "$WORK/attention_peer.log"
+  time_sdpa
   # shellcheck disable=SC2086
   peer_run peer "${PEER_TIMEOUT:-540}" 4000 python3 "$ROOT/bench/peer_hf.py" $PEER_SHAPE --batch 2 \
     --accum "${LADDER_ACCUM:-2}" --seq 2048 --steps "$STEPS" --out "$WORK/peer.json" ${PEER_ARGS:-}

@@ -26,7 +26,7 @@
 #   BIN_DIR  prepare-devbin.sh's folder (default .devbin); carry it and .whl.
 # Each call reuses nothing of another: each can run on a fresh machine.
 set -u
-CALL=${1:?usage: scripts/device-peers.sh a|b|c|d|e|ab [BIN_DIR]}
+CALL=${1:?usage: scripts/device-peers.sh a|b|c|d|e|f|g|h|ab [BIN_DIR]}
 BIN_DIR=${2:-.devbin}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-/tmp/memtune-device-check}
@@ -98,6 +98,41 @@ case "$CALL" in
     CONTEXT_CAPS=$BIG_CAP CONTEXT_MIN=${CONTEXT_MIN:-131072} CONTEXT_MAX=${CONTEXT_MAX:-262144} CONTEXT_UNIT=16384 \
       CONTEXT_TIMEOUT=${CONTEXT_TIMEOUT:-540} PROBE_TIMEOUT=150 check "$BIN_DIR" unsloth-context
     ;;
+  f)
+    # Configuration 4 under the large cap, the half that needs a card of more than 80 GiB: memtune's
+    # edge without activation offload (`fit --max-context`, one step: ~243k tokens take ~2.5 min a
+    # step), then Unsloth at that same length (UNSLOTH_EDGE_SEQ; one step, fits or not: a step
+    # there takes minutes, so a bisection of Unsloth's own longest does not fit in a call).
+    BIG_CAP=${BIG_CAP:-80}
+    EDGE_VRAM=${BIG_CAP}GiB EDGE_OFFLOAD=0 EDGE_STEPS=1 EDGE_TIMEOUT=${EDGE_TIMEOUT:-260} check "$BIN_DIR" edge
+    seq=${UNSLOTH_EDGE_SEQ:-$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['without_offload']['seq'])" \
+      "/tmp/mt-peers-$CALL-1/edge/fit.json" 2>/dev/null)}
+    [ -n "$seq" ] && CONTEXT_CAPS=$BIG_CAP CONTEXT_MIN=$seq CONTEXT_MAX=$seq CONTEXT_UNIT=$seq CONTEXT_STEPS=0 \
+      CONTEXT_TIMEOUT=${CONTEXT_TIMEOUT:-420} PROBE_TIMEOUT=${PROBE_TIMEOUT:-400} check "$BIN_DIR" unsloth-context
+    ;;
+  g)
+    # Configuration 4 under the large cap for transformers + PEFT and Liger (windows from the 24 GiB
+    # run's memory a token; each probe 1 timed step + 1 untimed), then the attention table of issue 23
+    # (memtune's own kernels and cuDNN in the GPU tests' timing lines, PyTorch SDPA's beside them).
+    BIG_CAP=${BIG_CAP:-80}
+    CONTEXT_CAPS=$BIG_CAP CONTEXT_MIN=32768 CONTEXT_MAX=65536 CONTEXT_UNIT=16384 CONTEXT_STEPS=1 CONTEXT_TIMEOUT=150 \
+      PROBE_TIMEOUT=70 check "$BIN_DIR" peer-context
+    CONTEXT_CAPS=$BIG_CAP CONTEXT_MIN=131072 CONTEXT_MAX=163840 CONTEXT_UNIT=16384 CONTEXT_STEPS=1 CONTEXT_TIMEOUT=330 \
+      PROBE_TIMEOUT=250 PEER_ARGS="--liger" check "$BIN_DIR" peer-context
+    GTEST_FILTER='*Timing*Flash*:*Timing*Cudnn*:CudnnRaggedTest.Timing*:CudaHopperAttentionTest.*' TEST_TIMEOUT=120 check "$BIN_DIR" tests,sdpa
+    ;;
+  h)
+    # Configurations 1-3 for all four tools in one call: memtune's variants, Unsloth (1, 3 and its
+    # benchmark shape 2), transformers + PEFT and Liger on 1 and 3, then both on 2.
+    CONFIGS=${CONFIGS:-qlora,qlora-offload,qlora-offload-opt,lora16,lora16-offload-opt,data-merged,data-merged-opt,data-packed} \
+      CONFIG_STEPS=6 check "$BIN_DIR" configs
+    UNSLOTH_STEPS=4 UNSLOTH_TIMEOUT=${UNSLOTH_TIMEOUT:-220} check "$BIN_DIR" unsloth,unsloth-data
+    LIGER_STEPS=3 LIGER_ARGS="--only flash,qlora" LIGER_TIMEOUT=120 LADDER_STEPS=3 PEER_ARGS="--only flash,qlora" \
+      PEER_TIMEOUT=120 check "$BIN_DIR" liger,peer
+    C2="--lora-r 32 --lora-alpha 32 --accum 4 --steps 4"
+    PEER_DATA_MEMTUNE=0 PEER_DATA_PACKED=0 DATA_TIMEOUT=100 PEER_ARGS="$C2" check "$BIN_DIR" peer-data
+    PEER_DATA_MEMTUNE=0 PEER_DATA_PACKED=0 DATA_TIMEOUT=100 PEER_ARGS="$C2 --liger" check "$BIN_DIR" peer-data
+    ;;
   ab)
     : "${BASE_BIN_DIR:?device-peers ab: set BASE_BIN_DIR to the binaries to compare against}"
     AB_PARTS=${AB_PARTS:-tests,sanitizer}  # "-": only the A/B (the tests ran in a call before)
@@ -107,6 +142,6 @@ case "$CALL" in
       CONFIGS=${AB_CONFIGS:-qlora,lora16} CONFIG_STEPS=6 check "$BASE_BIN_DIR" configs
     done
     ;;
-  *) echo "device-peers: unknown call $CALL (a, b, c, d, e or ab)" >&2; exit 2 ;;
+  *) echo "device-peers: unknown call $CALL (a, b, c, d, e, f, g, h or ab)" >&2; exit 2 ;;
 esac
 echo "== $(date -u +%T) done" | tee -a "$OUT/dates.txt"
