@@ -12,6 +12,7 @@
 
 #include "gpu_test_util.h"
 #include "gpu_timing.h"
+#include "memtune/ops/cuda/attention_flash_args.h"
 #include "memtune/ops/cuda/attention_hopper.h"
 #include "memtune/ops/cuda/cuda_ops.h"
 #include "../support/attention_setup.h"
@@ -30,32 +31,7 @@ std::string label(const Config& c, DType type) {
          std::to_string(c.kv_heads) + " d" + std::to_string(c.head_dim) + " " + optest::dtype_label(type);
 }
 
-cuda::AttentionParams params_of(const Config& c) {
-  const AttentionDims dims = test::attention_dims_of(c);
-  cuda::AttentionParams p;
-  p.batch = dims.batch;
-  p.seq = dims.seq;
-  p.n_heads = dims.n_heads;
-  p.n_kv_heads = dims.n_kv_heads;
-  p.head_dim = dims.head_dim;
-  p.scale = dims.scale;
-  return p;
-}
-
-cuda::FlashTensors forward_tensors(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k,
-                                   const Tensor& v) {
-  cuda::FlashTensors t;
-  t.q = q.data;
-  t.k = k.data;
-  t.v = v.data;
-  t.out = out.data;
-  t.q_type = q.dtype;
-  t.k_type = k.dtype;
-  t.v_type = v.dtype;
-  t.out_type = out.dtype;
-  t.lse = static_cast<float*>(lse.data);
-  return t;
-}
+cuda::AttentionParams params_of(const Config& c) { return cuda::attention_params_of(test::attention_dims_of(c)); }
 
 // ||a - b|| / ||b|| over two equally long arrays, in double (the timing shapes hold 67M values:
 // expect_close's double copies would take longer than the timing).
@@ -86,7 +62,8 @@ class CudaHopperAttentionTest : public CudaTest {
     DeviceTensor probe(gpu(), DType::bf16, Shape{64});
     DeviceTensor lse(gpu(), DType::f32, Shape{1});
     const Tensor p = probe;
-    if (!cuda::flash_forward_hopper_serves(params_of(Config{1, 1, 1, 1, 64}), forward_tensors(p, lse, p, p, p)))
+    if (!cuda::flash_forward_hopper_serves(params_of(Config{1, 1, 1, 1, 64}),
+                                           cuda::flash_forward_tensors(p, lse, p, p, p)))
       GTEST_SKIP() << "this build has no sm_90a kernel (MEMTUNE_CUDA_ARCHS without 90); skipped";
   }
 };
@@ -118,7 +95,8 @@ TEST_F(CudaHopperAttentionTest, ForwardMatchesCpuAndFeedsTheBackward) {
 
       DeviceTensor q = upload(hq), k = upload(hk), v = upload(hv), d_out = upload(hdo);
       DeviceTensor out = poisoned(type, hq.shape), lse = poisoned(DType::f32, rows);
-      ASSERT_TRUE(cuda::launch_flash_forward_hopper(params_of(c), forward_tensors(out, lse, q, k, v), nullptr));
+      ASSERT_TRUE(
+          cuda::launch_flash_forward_hopper(params_of(c), cuda::flash_forward_tensors(out, lse, q, k, v), nullptr));
       ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
       expect_close("hopper out", out.floats(), cpu_out.floats(), storage_tolerance(type));
       expect_close("hopper lse", lse.floats(), cpu_lse.floats(), 1e-4);
@@ -140,7 +118,7 @@ TEST_F(CudaHopperAttentionTest, RefusesWhatItDoesNotServe) {
   DeviceTensor segments(gpu(), DType::i32, Shape{64});
   const Tensor b = buffer;
   const cuda::AttentionParams good = params_of(Config{1, 16, 2, 1, 64});
-  const cuda::FlashTensors t = forward_tensors(b, lse, b, b, b);
+  const cuda::FlashTensors t = cuda::flash_forward_tensors(b, lse, b, b, b);
   EXPECT_TRUE(cuda::flash_forward_hopper_serves(good, t));
   cuda::AttentionParams packed = good;
   packed.segments = static_cast<const int32_t*>(segments.tensor().data);
@@ -179,7 +157,7 @@ TEST_F(CudaHopperAttentionTest, TimingPrintHopperForward) {
     DeviceTensor v2_out(gpu(), DType::bf16, q_shape), v2_lse(gpu(), DType::f32, rows);
     const Tensor none;
     const cuda::AttentionParams p = params_of(c);
-    const cuda::FlashTensors t = forward_tensors(out, lse, q, k, v);
+    const cuda::FlashTensors t = cuda::flash_forward_tensors(out, lse, q, k, v);
     ASSERT_TRUE(cuda::launch_flash_forward_hopper(p, t, nullptr)) << label(c, DType::bf16);
 
     auto time_ms = [](const std::function<void()>& run) { return median_event_ms(run, 3); };

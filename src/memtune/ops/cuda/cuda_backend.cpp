@@ -12,6 +12,7 @@
 #include <fmt/format.h>
 
 #include "memtune/ops/op_checks.h"
+#include "memtune/ops/cuda/attention_flash_args.h"
 #include "memtune/ops/cuda/cuda_check.h"
 #include "memtune/quant/codebook.h"  // quant4bit: the reference's constants
 #include "memtune/quant/codebook_shared.h"
@@ -35,20 +36,12 @@ cuda::AttentionParams attention_params(const AttentionDims& dims, const Tensor& 
   // The kernels have no sliding-window mask; the step refuses a window that rows reach.
   MT_ASSERT(dims.window == 0 || dims.seq <= dims.window,
             "CUDA attention over rows of {} under a sliding window of {}", dims.seq, dims.window);
-  const int64_t n = dims.tokens();
-  cuda::AttentionParams p;
-  p.batch = dims.batch;
-  p.seq = dims.seq;
-  p.n_heads = dims.n_heads;
-  p.n_kv_heads = dims.n_kv_heads;
-  p.head_dim = dims.head_dim;
-  p.scale = dims.scale;
   if (!segments.empty()) {
     check_tensor(segments, DType::i32, "attention segments");
-    MT_ASSERT(segments.numel() == n, "attention segments {} vs N {}", segments.shape.str(), n);
-    p.segments = segments.as<const int32_t>();
+    MT_ASSERT(segments.numel() == dims.tokens(), "attention segments {} vs N {}", segments.shape.str(),
+              dims.tokens());
   }
-  return p;
+  return cuda::attention_params_of(dims, segments);
 }
 
 }  // namespace
@@ -412,16 +405,7 @@ void CudaBackend::attention_flash_forward(const Tensor& out, const Tensor& lse, 
   const cuda::AttentionParams p = attention_params(dims, q, k, v, segments);
   check_float_like(out, q, "attention_flash_forward out", check_float_tensor);
   check_attention_rows(lse, dims, "attention_flash_forward lse", check_tensor);
-  cuda::FlashTensors t;
-  t.q = q.data;
-  t.k = k.data;
-  t.v = v.data;
-  t.out = out.data;
-  t.q_type = q.dtype;
-  t.k_type = k.dtype;
-  t.v_type = v.dtype;
-  t.out_type = out.dtype;
-  t.lse = lse.as<float>();
+  const cuda::FlashTensors t = cuda::flash_forward_tensors(out, lse, q, k, v);
   MT_ASSERT(cuda::attention_flash_uses_tensor_cores(p, t, false) ||
                 (dims.head_dim % 2 == 0 && dims.head_dim <= 256),
             "attention_flash_forward: head_dim {} (the generic kernel takes even ones <= 256)",
@@ -441,26 +425,8 @@ void CudaBackend::attention_flash_backward(const Tensor& dq, const Tensor& dk, c
   check_attention_rows(delta_scratch, dims, "attention_flash_backward delta_scratch", check_tensor);
   check_tensor(dq_accum_scratch, DType::f32, "attention_flash_backward dq_accum_scratch");
   check_same_count(dq_accum_scratch, q, "attention_flash_backward dq_accum_scratch");
-  cuda::FlashTensors t;
-  t.q = q.data;
-  t.k = k.data;
-  t.v = v.data;
-  t.out = out.data;
-  t.d_out = d_out.data;
-  t.dq = dq.data;
-  t.dk = dk.data;
-  t.dv = dv.data;
-  t.q_type = q.dtype;
-  t.k_type = k.dtype;
-  t.v_type = v.dtype;
-  t.out_type = out.dtype;
-  t.d_out_type = d_out.dtype;
-  t.dq_type = dq.dtype;
-  t.dk_type = dk.dtype;
-  t.dv_type = dv.dtype;
-  t.lse = lse.as<float>();
-  t.delta = delta_scratch.as<float>();
-  t.dq_accum = dq_accum_scratch.as<float>();
+  const cuda::FlashTensors t =
+      cuda::flash_backward_tensors(dq, dk, dv, delta_scratch, dq_accum_scratch, d_out, out, lse, q, k, v);
   MT_ASSERT(cuda::attention_flash_uses_tensor_cores(p, t, true) ||
                 (dims.head_dim % 2 == 0 && dims.head_dim <= 256),
             "attention_flash_backward: head_dim {} (the generic kernel takes even ones <= 256)",
