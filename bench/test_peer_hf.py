@@ -60,6 +60,48 @@ class BisectTest(unittest.TestCase):
         self.assertTrue(probes)
 
 
+class MaxContextRunTest(unittest.TestCase):
+    """run_max_context with a made-up probe: every probe runs the timed steps + 1, and the longest
+    one that ran them all is the timed run (no second child at that length)."""
+
+    def test_the_longest_fitting_probe_is_the_run(self):
+        import types
+
+        calls = []
+
+        def probe(seq, steps):
+            calls.append((seq, steps))
+            fits = seq <= 5120
+            return {"seq": seq, "measured": fits, "error": None if fits else "CUDA out of memory",
+                    "tokens_per_second": 1000.0 + seq if fits else None, "timed_steps": steps - 1}
+
+        args = types.SimpleNamespace(context_steps=2, context_min=1024, context_max=8192, context_unit=1024,
+                                     cap_gib=24.0, out="")
+        report = peer_common.run_max_context(args, {"rungs": []}, probe, types.SimpleNamespace())
+        mc = report["max_context"]
+        self.assertEqual(mc["max_seq"], 5120)
+        self.assertEqual(mc["probe_steps"], 3)
+        self.assertTrue(all(steps == 3 for _, steps in calls))
+        self.assertEqual(len(calls), len(mc["probes"]))  # no extra child for the timed run
+        (run,) = report["rungs"]
+        self.assertEqual((run["seq"], run["tokens_per_second"]), (5120, 6120.0))
+        self.assertEqual(mc["run"]["timed_steps"], 2)
+
+    def test_nothing_fits_gives_no_run(self):
+        import types
+
+        args = types.SimpleNamespace(context_steps=0, context_min=2048, context_max=2048, context_unit=2048,
+                                     cap_gib=80.0, out="")
+        report = peer_common.run_max_context(args, {"rungs": []},
+                                             lambda seq, steps: {"seq": seq, "measured": False,
+                                                                 "error": "CUDA out of memory"},
+                                             types.SimpleNamespace())
+        self.assertIsNone(report["max_context"]["max_seq"])
+        self.assertEqual([p["seq"] for p in report["max_context"]["probes"]], [2048])
+        self.assertEqual(report["max_context"]["probe_steps"], 1)
+        self.assertEqual(report["rungs"], [])
+
+
 class PackTest(unittest.TestCase):
     def test_best_fit_decreasing(self):
         samples = [{"input_ids": [0] * n} for n in (5, 3, 8, 2, 6, 4)]
