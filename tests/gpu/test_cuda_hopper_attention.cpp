@@ -1,7 +1,9 @@
-// The Hopper forward of flash attention (attention_hopper.h; wgmma + TMA, sm_90a), not yet used by
-// the step: its out and lse against the CPU backend's flash forward at odd shapes (bf16 and f16,
-// head_dim 64 and 128, GQA, causal), the existing flash backward run on what it saved against the
-// CPU backward, and a timing print beside forward v2 and cuDNN. Skips without a GPU, on devices
+// The Hopper forward of flash attention (attention_hopper.h; wgmma + TMA, sm_90a), which the
+// backend's own flash forward runs on this device unless told not to (FlashVersions): its out and
+// lse against the CPU backend's flash forward at odd shapes (bf16 and f16, head_dim 64 and 128,
+// GQA, causal), the existing flash backward run on what it saved against the CPU backward, the
+// backend's forward with and without it (forward v2) over the same inputs, forward and backward,
+// and a timing print beside forward v2 and cuDNN. Skips without a GPU, on devices
 // other than compute capability 9.0, and in builds without its sm_90a kernel.
 #include <cuda_runtime.h>
 
@@ -10,6 +12,7 @@
 #include <cstdio>
 #include <functional>
 
+#include "flash_versions_scope.h"
 #include "gpu_test_util.h"
 #include "gpu_timing.h"
 #include "memtune/ops/cuda/attention_flash_args.h"
@@ -138,8 +141,108 @@ TEST_F(CudaHopperAttentionTest, RefusesWhatItDoesNotServe) {
   EXPECT_EQ(cudaGetLastError(), cudaSuccess);
 }
 
+// The backend's own flash forward with the Hopper forward turned off (forward v2) and on (its
+// default on this device) over the same inputs, at odd lengths, both head_dims, GQA 32/8 and 4/1,
+// batch 1 and 3: out within the dtype's storage tolerance, lse (fp32 in both, from the same 16-bit
+// inputs) within 1e-5. The default path must be the Hopper kernel itself: its out and lse equal a
+// direct launch's bit for bit (the kernel is deterministic). Inputs are drawn on the device (the
+// largest shape holds 32M values a tensor); the CPU is the oracle of both in the other tests.
+TEST_F(CudaHopperAttentionTest, BackendForwardMatchesForcedV2AtOddShapes) {
+  struct Heads {
+    int64_t heads, kv_heads;
+  };
+  uint64_t seed = 100;
+  for (const int64_t seq : {1, 77, 1000, 2600})
+    for (const int64_t head_dim : {64, 128})
+      for (const Heads g : {Heads{32, 8}, Heads{4, 1}})
+        for (const int64_t batch : {1, 3})
+          for (const DType type : {DType::bf16, DType::f16}) {
+            const Config c{batch, seq, g.heads, g.kv_heads, head_dim};
+            SCOPED_TRACE(label(c, type));
+            const AttentionDims dims = test::attention_dims_of(c);
+            const int64_t n = batch * seq;
+            const Shape q_shape{n, g.heads * head_dim}, kv_shape{n, g.kv_heads * head_dim};
+            const Shape rows{batch * g.heads * seq};
+            DeviceTensor q(gpu(), type, q_shape), k(gpu(), type, kv_shape), v(gpu(), type, kv_shape);
+            gpu().fill_random(q, Backend::Distribution::uniform, -1.5f, 1.5f, ++seed);
+            gpu().fill_random(k, Backend::Distribution::uniform, -1.5f, 1.5f, ++seed);
+            gpu().fill_random(v, Backend::Distribution::uniform, -1.0f, 1.0f, ++seed);
+            const Tensor none;
+
+            DeviceTensor v2_out = poisoned(type, q_shape), v2_lse = poisoned(DType::f32, rows);
+            {
+              const FlashVersionsScope forced_v2(flash_versions_with_hopper(false));
+              gpu().attention_flash_forward(v2_out, v2_lse, q, k, v, none, dims);
+            }
+            DeviceTensor out = poisoned(type, q_shape), lse = poisoned(DType::f32, rows);
+            {
+              const FlashVersionsScope hopper(flash_versions_with_hopper(true));
+              gpu().attention_flash_forward(out, lse, q, k, v, none, dims);
+            }
+            const cuda::FlashTensors direct_tensors = cuda::flash_forward_tensors(out, lse, q, k, v);
+            ASSERT_TRUE(cuda::flash_forward_hopper_serves(params_of(c), direct_tensors));
+            DeviceTensor direct_out = poisoned(type, q_shape), direct_lse = poisoned(DType::f32, rows);
+            ASSERT_TRUE(cuda::launch_flash_forward_hopper(
+                params_of(c), cuda::flash_forward_tensors(direct_out, direct_lse, q, k, v), nullptr));
+            ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+
+            const std::vector<float> out_values = out.floats(), lse_values = lse.floats();
+            EXPECT_TRUE(out_values == direct_out.floats()) << "the default forward is not the Hopper kernel";
+            EXPECT_TRUE(lse_values == direct_lse.floats()) << "the default forward is not the Hopper kernel";
+            bool finite_out = false, finite_lse = false;
+            const double out_error = relative_error(out_values, v2_out.floats(), finite_out);
+            const double lse_error = relative_error(lse_values, v2_lse.floats(), finite_lse);
+            EXPECT_TRUE(finite_out && finite_lse);
+            EXPECT_LT(out_error, storage_tolerance(type)) << "out, hopper vs v2";
+            EXPECT_LT(lse_error, 1e-5) << "lse, hopper vs v2";
+          }
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+}
+
+// The existing flash backward fed each forward's out and lse (the Hopper forward's, forward v2's)
+// with the same d_out: dq, dk and dv agree within the dtype's storage tolerance (the two outs
+// differ by rounding, which reaches the gradients through delta = rowsum(dO * O)).
+TEST_F(CudaHopperAttentionTest, BackwardOnHopperForwardMatchesBackwardOnV2) {
+  const Config configs[] = {{1, 77, 4, 1, 64},     {3, 1000, 32, 8, 128}, {1, 2600, 4, 1, 128},
+                            {3, 1, 32, 8, 64},     {1, 1000, 32, 8, 64},  {3, 2600, 4, 1, 64}};
+  uint64_t seed = 200;
+  for (const Config& c : configs)
+    for (const DType type : {DType::bf16, DType::f16}) {
+      SCOPED_TRACE(label(c, type));
+      const AttentionDims dims = test::attention_dims_of(c);
+      const int64_t n = c.batch * c.seq;
+      const Shape q_shape{n, c.heads * c.head_dim}, kv_shape{n, c.kv_heads * c.head_dim};
+      const Shape rows{c.batch * c.heads * c.seq};
+      DeviceTensor q(gpu(), type, q_shape), k(gpu(), type, kv_shape), v(gpu(), type, kv_shape);
+      DeviceTensor d_out(gpu(), type, q_shape);
+      gpu().fill_random(q, Backend::Distribution::uniform, -1.5f, 1.5f, ++seed);
+      gpu().fill_random(k, Backend::Distribution::uniform, -1.5f, 1.5f, ++seed);
+      gpu().fill_random(v, Backend::Distribution::uniform, -1.0f, 1.0f, ++seed);
+      gpu().fill_random(d_out, Backend::Distribution::uniform, -1.0f, 1.0f, ++seed);
+      struct Gradients {
+        std::vector<float> dq, dk, dv;
+      };
+      auto backward_after = [&](bool hopper) {
+        const FlashVersionsScope choice(flash_versions_with_hopper(hopper));
+        const Tensor none;
+        DeviceTensor out = poisoned(type, q_shape), lse = poisoned(DType::f32, rows);
+        gpu().attention_flash_forward(out, lse, q, k, v, none, dims);
+        DeviceTensor dq = poisoned(type, q_shape), dk = poisoned(type, kv_shape), dv = poisoned(type, kv_shape);
+        DeviceTensor delta = poisoned(DType::f32, rows), dq_accum = poisoned(DType::f32, q_shape);
+        gpu().attention_flash_backward(dq, dk, dv, delta, dq_accum, d_out, out, lse, q, k, v, none, dims);
+        return Gradients{dq.floats(), dk.floats(), dv.floats()};
+      };
+      const Gradients on_v2 = backward_after(false), on_hopper = backward_after(true);
+      expect_close("dq, backward on hopper vs on v2", on_hopper.dq, on_v2.dq, storage_tolerance(type));
+      expect_close("dk, backward on hopper vs on v2", on_hopper.dk, on_v2.dk, storage_tolerance(type));
+      expect_close("dv, backward on hopper vs on v2", on_hopper.dv, on_v2.dv, storage_tolerance(type));
+    }
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+}
+
 // A timing print, not a test (its only assertions: the Hopper forward's out and lse agree with
-// forward v2's): the Hopper forward beside forward v2 (the backend's attention_flash_forward) and,
+// forward v2's): the Hopper forward beside forward v2 (the backend's attention_flash_forward with
+// the Hopper forward turned off) and,
 // in builds with cuDNN, cuDNN's forward, at the shapes of CudnnAttentionTest.TimingPrintCudnnVsFlash.
 // TFLOP/s with FA2's causal count (half the S x S products, 2 GEMMs: 4 * pairs * head_dim).
 TEST_F(CudaHopperAttentionTest, TimingPrintHopperForward) {
@@ -162,7 +265,11 @@ TEST_F(CudaHopperAttentionTest, TimingPrintHopperForward) {
 
     auto time_ms = [](const std::function<void()>& run) { return median_event_ms(run, 3); };
     const double hopper = time_ms([&] { cuda::launch_flash_forward_hopper(p, t, nullptr); });
-    const double v2 = time_ms([&] { gpu().attention_flash_forward(v2_out, v2_lse, q, k, v, none, dims); });
+    double v2 = 0.0;
+    {
+      const FlashVersionsScope forced_v2(flash_versions_with_hopper(false));
+      v2 = time_ms([&] { gpu().attention_flash_forward(v2_out, v2_lse, q, k, v, none, dims); });
+    }
     double cudnn = 0.0;
     if (cudnn_attention_available()) {
       DeviceTensor workspace(gpu(), DType::f32, Shape{std::max<int64_t>(1, cudnn_attention_workspace_floats(dims, false))});

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <nlohmann/json.hpp>
 
+#include "flash_versions_scope.h"
 #include "gpu_test_util.h"
 #include "../support/fixtures.h"
 #include "memtune/io/json_util.h"
@@ -118,6 +119,48 @@ TEST_F(CudaStepTest, WholeStepsMatchTheCpuInEveryPrecisionAndTechnique) {
     }
     expect_close("lora grads after step 1", got.grads, want.grads, 5 * tolerance);
     expect_close("lora weights after step 2", got.lora_weights, want.lora_weights, tolerance);
+  }
+}
+
+// The tensor-core attention kernels take head_dim 64 and 128 only (the small model's 32 runs the
+// generic ones): whole steps with flash attention at those head_dims, rows of 160 tokens (a full
+// 128-query tile of the Hopper forward and a partial one; 7 tokens of padding per row), in bf16 and
+// f16 with and without checkpointing, against the CPU. Each runs twice: with the backend's default
+// flash forward (on a compute capability 9.0 device, the Hopper forward) and with forward v2 forced.
+TEST_F(CudaStepTest, WholeStepsAtTensorCoreHeadDimsMatchTheCpu) {
+  struct Heads {
+    int64_t head_dim, heads, kv_heads;
+  };
+  for (const Heads shape : {Heads{64, 4, 2}, Heads{128, 4, 1}}) {
+    LlamaConfig model = small_model();
+    model.head_dim = shape.head_dim;
+    model.num_attention_heads = shape.heads;
+    model.num_key_value_heads = shape.kv_heads;
+    model.hidden_size = 256;
+    for (const Precision precision : {Precision::bf16, Precision::fp16})
+      for (const bool checkpointing : {false, true}) {
+        RunConfig run = small_run();
+        run.max_seq_length = 160;
+        run.precision = precision;
+        run.attn_implementation = "flash";
+        run.gradient_checkpointing = checkpointing;
+        run.loss_implementation = "chunked";
+        run.loss_chunk_tokens = 24;
+        const StepOutcome want = two_steps(cpu(), run, model);
+        for (const bool hopper : {true, false}) {
+          SCOPED_TRACE("head_dim " + std::to_string(shape.head_dim) + " " + std::string(precision_name(precision)) +
+                       (checkpointing ? " ckpt" : "") + (hopper ? " default forward" : " forward v2"));
+          const FlashVersionsScope choice(flash_versions_with_hopper(hopper));
+          const StepOutcome got = two_steps(gpu(), run, model);
+          const double tolerance = 3e-2;  // as the 16-bit variants above
+          for (size_t s = 0; s < want.losses.size(); ++s) {
+            EXPECT_NEAR(got.losses[s], want.losses[s], tolerance * want.losses[s]) << "step " << s;
+            EXPECT_NEAR(got.grad_norms[s], want.grad_norms[s], 5 * tolerance * want.grad_norms[s]) << "step " << s;
+          }
+          expect_close("lora grads after step 1", got.grads, want.grads, 5 * tolerance);
+          expect_close("lora weights after step 2", got.lora_weights, want.lora_weights, tolerance);
+        }
+      }
   }
 }
 

@@ -1,11 +1,15 @@
 // Run-time variants of the tensor-core flash attention forward (attention_flash_forward.cu), for
-// A/B timing; the defaults are the measured best. set_flash_versions overrides them for the rest
-// of the process from the next launch on (the timing tests time several in one run).
+// A/B timing and bisecting; the defaults are the measured best. set_flash_versions overrides them
+// for the rest of the process from the next launch on (the tests run several in one process).
 #pragma once
 
 namespace memtune::cuda {
 
 struct FlashVersions {
+  bool forward_hopper = true;           // the Hopper forward (attention_hopper.h: compute capability
+                                        // 9.0, the sm_90a object in the build) where it serves the
+                                        // call, else forward v2; false: forward v2 always.
+                                        // MEMTUNE_FLASH_FORWARD=v2 sets the start value false
   int forward_keys = 0;                 // keys per block: 32 or 64 (where shared memory allows),
                                         // 0 the default; MEMTUNE_FLASH_FWD_KEYS sets the start value
   bool forward_grid_per_head = false;   // heaviest query blocks first per head, not grid-wide

@@ -14,12 +14,16 @@
 // Generic kernel (any even head_dim up to 256, any float dtypes, any alignment, and shapes past
 // the tensor-core kernel's 32-bit grid): one warp per query row, fp32 throughout. Simple, and the
 // reference the tests hold the tensor-core path against as well as the CPU.
+// On a compute capability 9.0 device, attention_flash_forward runs the Hopper forward instead
+// (attention_hopper_forward.cu: wgmma + TMA) where that serves the call, unless
+// MEMTUNE_FLASH_FORWARD=v2 or FlashVersions::forward_hopper says not to.
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
 
 #include "memtune/ops/cuda/attention_flash.h"
 #include "memtune/ops/cuda/attention_flash_tiles.cuh"
+#include "memtune/ops/cuda/attention_hopper.h"
 
 namespace memtune::cuda {
 namespace {
@@ -555,6 +559,19 @@ int flash_max_shared_per_block() {
 
 namespace {
 
+// Whether the Hopper forward may run (MEMTUNE_FLASH_FORWARD=v2: no; hopper or unset: yes); read
+// once. Any other value aborts: a mistyped switch would silently time or bisect the wrong kernel.
+std::atomic<bool>& forward_hopper_flag() {
+  static std::atomic<bool> flag{[] {
+    const char* value = std::getenv("MEMTUNE_FLASH_FORWARD");
+    if (value == nullptr || std::strcmp(value, "hopper") == 0) return true;
+    if (std::strcmp(value, "v2") == 0) return false;
+    cuda_check_failed("getenv(\"MEMTUNE_FLASH_FORWARD\")", "environment", "MEMTUNE_FLASH_FORWARD takes v2 or hopper",
+                      __FILE__, __LINE__);
+  }()};
+  return flag;
+}
+
 // Forward v2's keys per block (MEMTUNE_FLASH_FWD_KEYS=32 or 64; else 0, the default); read once.
 std::atomic<int>& forward_keys_value() {
   static std::atomic<int> keys{[] {
@@ -584,6 +601,7 @@ std::atomic<int>& forward_rescale_slack_value() {
 
 FlashVersions flash_versions() {
   FlashVersions versions;
+  versions.forward_hopper = forward_hopper_flag().load(std::memory_order_relaxed);
   versions.forward_keys = forward_keys_value().load(std::memory_order_relaxed);
   versions.forward_grid_per_head = forward_grid_per_head_flag().load(std::memory_order_relaxed);
   versions.forward_rescale_always = forward_rescale_always_flag().load(std::memory_order_relaxed);
@@ -592,6 +610,7 @@ FlashVersions flash_versions() {
 }
 
 void set_flash_versions(const FlashVersions& versions) {
+  forward_hopper_flag().store(versions.forward_hopper, std::memory_order_relaxed);
   forward_keys_value().store(versions.forward_keys, std::memory_order_relaxed);
   forward_grid_per_head_flag().store(versions.forward_grid_per_head, std::memory_order_relaxed);
   forward_rescale_always_flag().store(versions.forward_rescale_always, std::memory_order_relaxed);
@@ -612,9 +631,12 @@ bool attention_flash_uses_tensor_cores(const AttentionParams& p, const FlashTens
 
 void attention_flash_forward(const AttentionParams& p, const FlashTensors& t,
                              cudaStream_t stream) {
+  const FlashVersions versions = flash_versions();
+  // The Hopper forward where it serves the call: a compute capability 9.0 device (asked once per
+  // device), this build's sm_90a object, head_dim 64/128 in bf16/f16 (attention_hopper.h).
+  if (versions.forward_hopper && launch_flash_forward_hopper(p, t, stream)) return;
   if (attention_flash_uses_tensor_cores(p, t, false)) {
     const bool bf16 = t.q_type == DType::bf16;
-    const FlashVersions versions = flash_versions();
     bool launched;
     if (p.head_dim == 64) {
       launched = bf16 ? launch_forward<64, true>(p, t, stream, versions)

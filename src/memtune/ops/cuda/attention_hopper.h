@@ -2,8 +2,9 @@
 // wgmma for both GEMMs, the bulk tensor copy engine (TMA) for Q/K/V in and O out. Same contract
 // as attention_flash_forward (cuda_ops.h): causal, GQA, q/k/v/out rows [batch, seq, heads,
 // head_dim], out and the fp32 natural-log logsumexp lse [batch, n_heads, seq], so the existing
-// flash backward consumes what it writes. Not yet wired into the training step: the tests call
-// it beside forward v2 and cuDNN.
+// flash backward consumes what it writes. attention_flash_forward (the backend's own flash forward)
+// calls it first where FlashVersions::forward_hopper holds (attention_flash.h; the default, off
+// with MEMTUNE_FLASH_FORWARD=v2) and runs forward v2 where it refuses the call.
 #pragma once
 
 #include <cuda_runtime_api.h>
