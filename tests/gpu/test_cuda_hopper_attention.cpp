@@ -3,8 +3,8 @@
 // lse against the CPU backend's flash forward at odd shapes (bf16 and f16, head_dim 64 and 128,
 // GQA, causal), the existing flash backward run on what it saved against the CPU backward, the
 // backend's forward with and without it (forward v2) over the same inputs, forward and backward,
-// and a timing print beside forward v2 and cuDNN. Skips without a GPU, on devices
-// other than compute capability 9.0, and in builds without its sm_90a kernel.
+// packed rows against the CPU, and a timing print beside forward v2 and cuDNN. Skips without a
+// GPU, on devices other than compute capability 9.0, and in builds without its sm_90a kernel.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -113,8 +113,8 @@ TEST_F(CudaHopperAttentionTest, ForwardMatchesCpuAndFeedsTheBackward) {
     }
 }
 
-// What the launcher refuses, launching nothing: packed rows, head_dims other than 64/128, f32,
-// mixed dtypes, misaligned pointers.
+// What the launcher refuses, launching nothing: head_dims other than 64/128, f32, mixed dtypes,
+// misaligned pointers. Packed rows it serves.
 TEST_F(CudaHopperAttentionTest, RefusesWhatItDoesNotServe) {
   DeviceTensor buffer(gpu(), DType::bf16, Shape{4096});
   DeviceTensor lse(gpu(), DType::f32, Shape{64});
@@ -125,7 +125,7 @@ TEST_F(CudaHopperAttentionTest, RefusesWhatItDoesNotServe) {
   EXPECT_TRUE(cuda::flash_forward_hopper_serves(good, t));
   cuda::AttentionParams packed = good;
   packed.segments = static_cast<const int32_t*>(segments.tensor().data);
-  EXPECT_FALSE(cuda::launch_flash_forward_hopper(packed, t, nullptr));
+  EXPECT_TRUE(cuda::flash_forward_hopper_serves(packed, t));
   cuda::AttentionParams d96 = good;
   d96.head_dim = 96;
   EXPECT_FALSE(cuda::launch_flash_forward_hopper(d96, t, nullptr));
@@ -238,6 +238,86 @@ TEST_F(CudaHopperAttentionTest, BackwardOnHopperForwardMatchesBackwardOnV2) {
       expect_close("dv, backward on hopper vs on v2", on_hopper.dv, on_v2.dv, storage_tolerance(type));
     }
   EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+}
+
+// Packed rows: each batch row's runs of equal segment ids, as (tokens, id) in order.
+struct IdRun {
+  int64_t tokens;
+  int32_t id;
+};
+
+HostTensor segment_ids(const Config& c, const std::vector<std::vector<IdRun>>& rows) {
+  EXPECT_EQ(rows.size(), static_cast<size_t>(c.batch));
+  std::vector<int32_t> ids;
+  for (size_t r = 0; r < rows.size(); ++r) {
+    for (const IdRun& run : rows[r]) ids.insert(ids.end(), static_cast<size_t>(run.tokens), run.id);
+    EXPECT_EQ(ids.size(), static_cast<size_t>(c.seq) * (r + 1)) << "row " << r << "'s runs must fill seq";
+  }
+  return optest::i32_tensor(Shape{c.batch * c.seq}, ids);
+}
+
+// The Hopper forward on packed rows against the CPU backend's flash forward with the same ids (out
+// within the storage tolerance, lse 1e-4), and the existing flash backward on what it saved
+// against the CPU backward. The rows: one of 2,600 tokens split 700/1/1,299/600 (a one-token
+// sample, samples across the 128-key blocks); ids that come back after others, ids that fall, a
+// last token whose id is the first token's (its query block must start at key block 0), every token
+// its own sample, and a row that is one sample. The backend's own forward (default: the Hopper
+// forward) must give the direct launch's out and lse bit for bit on packed rows too.
+TEST_F(CudaHopperAttentionTest, PackedRowsMatchCpu) {
+  struct Case {
+    Config config;
+    std::vector<std::vector<IdRun>> rows;
+  };
+  std::vector<IdRun> own_ids;  // 300 samples of one token
+  for (int32_t i = 0; i < 300; ++i) own_ids.push_back(IdRun{1, i});
+  const Case cases[] = {
+      {{1, 2600, 2, 1, 128}, {{{700, 0}, {1, 1}, {1299, 2}, {600, 3}}}},
+      {{1, 2600, 4, 2, 64}, {{{700, 0}, {1, 1}, {1299, 2}, {600, 3}}}},
+      {{2, 1337, 4, 1, 128}, {{{300, 0}, {200, 1}, {400, 0}, {437, 2}}, {{1, 5}, {500, 7}, {1, 5}, {835, 7}}}},
+      {{3, 777, 2, 2, 64}, {{{100, 9}, {300, 4}, {377, -2}}, {{777, 0}}, {{129, 3}, {129, 2}, {129, 3}, {390, 1}}}},
+      {{1, 1000, 2, 1, 64}, {{{1, 0}, {998, 1}, {1, 0}}}},
+      {{1, 300, 8, 2, 128}, {own_ids}}};
+  for (const Case& test_case : cases)
+    for (const DType type : {DType::bf16, DType::f16}) {
+      const Config& c = test_case.config;
+      SCOPED_TRACE("packed " + label(c, type));
+      const AttentionDims dims = test::attention_dims_of(c);
+      const int64_t n = c.batch * c.seq;
+      const HostTensor hq = random_tensor(type, Shape{n, c.heads * c.head_dim}, rng_, -1.5, 1.5);
+      const HostTensor hk = random_tensor(type, Shape{n, c.kv_heads * c.head_dim}, rng_, -1.5, 1.5);
+      const HostTensor hv = random_tensor(type, Shape{n, c.kv_heads * c.head_dim}, rng_);
+      const HostTensor hdo = random_tensor(type, Shape{n, c.heads * c.head_dim}, rng_);
+      const HostTensor hids = segment_ids(c, test_case.rows);
+      const Shape rows{c.batch * c.heads * c.seq};
+
+      HostTensor cpu_out(type, hq.shape), cpu_lse(DType::f32, rows), cpu_delta(DType::f32, rows);
+      HostTensor cpu_dq(type, hq.shape), cpu_dk(type, hk.shape), cpu_dv(type, hk.shape);
+      HostTensor cpu_dq_accum(DType::f32, hq.shape);
+      cpu().attention_flash_forward(cpu_out, cpu_lse, hq, hk, hv, hids.tensor(), dims);
+      cpu().attention_flash_backward(cpu_dq, cpu_dk, cpu_dv, cpu_delta, cpu_dq_accum, hdo, cpu_out, cpu_lse, hq, hk,
+                                     hv, hids.tensor(), dims);
+
+      DeviceTensor q = upload(hq), k = upload(hk), v = upload(hv), d_out = upload(hdo), ids = upload(hids);
+      DeviceTensor out = poisoned(type, hq.shape), lse = poisoned(DType::f32, rows);
+      const cuda::AttentionParams p = cuda::attention_params_of(dims, ids);
+      ASSERT_TRUE(cuda::launch_flash_forward_hopper(p, cuda::flash_forward_tensors(out, lse, q, k, v), nullptr));
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      const std::vector<float> out_values = out.floats(), lse_values = lse.floats();
+      expect_close("hopper packed out", out_values, cpu_out.floats(), storage_tolerance(type));
+      expect_close("hopper packed lse", lse_values, cpu_lse.floats(), 1e-4);
+
+      DeviceTensor backend_out = poisoned(type, hq.shape), backend_lse = poisoned(DType::f32, rows);
+      gpu().attention_flash_forward(backend_out, backend_lse, q, k, v, ids, dims);
+      EXPECT_TRUE(backend_out.floats() == out_values) << "the default forward is not the Hopper kernel";
+      EXPECT_TRUE(backend_lse.floats() == lse_values) << "the default forward is not the Hopper kernel";
+
+      DeviceTensor dq = poisoned(type, hq.shape), dk = poisoned(type, hk.shape), dv = poisoned(type, hk.shape);
+      DeviceTensor delta = poisoned(DType::f32, rows), dq_accum = poisoned(DType::f32, hq.shape);
+      gpu().attention_flash_backward(dq, dk, dv, delta, dq_accum, d_out, out, lse, q, k, v, ids, dims);
+      expect_close("backward on hopper packed forward dq", dq.floats(), cpu_dq.floats(), storage_tolerance(type));
+      expect_close("backward on hopper packed forward dk", dk.floats(), cpu_dk.floats(), storage_tolerance(type));
+      expect_close("backward on hopper packed forward dv", dv.floats(), cpu_dv.floats(), storage_tolerance(type));
+    }
 }
 
 // A timing print, not a test (its only assertions: the Hopper forward's out and lse agree with

@@ -15,8 +15,9 @@ namespace memtune::cuda {
 
 // Whether launch_flash_forward_hopper takes these arguments on the current device: compute
 // capability 9.0 with the sm_90a kernel in the binary, head_dim 64 or 128, q/k/v/out all bf16 or
-// all f16 and 16-byte aligned, no segments (packed rows are a later step), seq and the grid within
-// 32 bits.
+// all f16 and 16-byte aligned, seq and the grid within 32 bits. Packed rows (p.segments) are
+// served as forward v2 serves them: keys of another id are masked, and the key loop starts at the
+// first block that a query of the block can see.
 bool flash_forward_hopper_serves(const AttentionParams& p, const FlashTensors& t);
 
 // Launches the forward on `stream` and returns true; returns false, launching nothing, where

@@ -9,6 +9,9 @@
 //  - Q, K and V arrive by TMA (cp.async.bulk.tensor) into the 128-byte swizzled layout that the
 //    wgmma descriptors describe, completing on mbarriers; K/V are double-buffered, the next key
 //    block requested while this one computes. O leaves by TMA too, through Q's shared memory.
+// Packed rows (segment ids) as forward v2 takes them: the ids of each key block are staged in
+// shared memory beside its K/V stage, keys of another id are masked, and the key loop starts at
+// the first block that a query of the block sees (segment_reach).
 // Block: 128 queries, two warpgroups of 64 rows (one m64 wgmma tile each), 128 keys per key
 // block. No warp specialisation yet: thread 0 issues the copies between its own math, and one
 // __syncthreads per key block tells it that both warpgroups are done with a buffer. Each
@@ -57,13 +60,19 @@ struct HopperLayout {
   static constexpr uint32_t kKvBytes = kChunks * kKvChunkBytes;  // one K or one V tile
   static constexpr uint32_t kStages = kQBytes;  // Q at 0; stage s: K at kStages + s * 2 * kKvBytes, V after it
   static constexpr uint32_t kBarriers = kStages + 4 * kKvBytes;  // q, k[2], v[2]: 8 bytes each
-  static constexpr int kSharedBytes = static_cast<int>(kBarriers + 5 * 8) + 1024;  // + alignment slack
+  // Packed rows only: the segment ids of the keys of both stages (i32 [2][kHopperKeys]), then
+  // segment_reach's scratch.
+  static constexpr uint32_t kKeyIds = kBarriers + 64;
+  static constexpr uint32_t kReachScratch = kKeyIds + 2 * kHopperKeys * 4;
+  static constexpr int kSharedBytes =
+      static_cast<int>(kReachScratch + segment_reach_scratch_words<kHopperQueries>() * 4) + 1024;  // + alignment slack
 };
 
 struct HopperForwardArgs {
   int seq = 0, heads = 0, kv_group = 1, batch = 0, query_blocks = 0;
   float scale_log2 = 0.0f;  // softmax scale times log2 e
   float* lse = nullptr;     // f32 [batch, heads, seq], natural log
+  const int32_t* segments = nullptr;  // i32 [batch, seq] (kSegments), else null
 };
 
 #ifdef MEMTUNE_HOPPER_DEVICE_CODE
@@ -257,8 +266,10 @@ __device__ __forceinline__ void request_key_block(const CUtensorMap& k_map, cons
 #endif  // MEMTUNE_HOPPER_DEVICE_CODE
 
 // __launch_bounds__(256, 1): one block of 256 threads an SM (its shared memory allows no second
-// at D = 128), so ptxas may give each thread up to 255 registers.
-template <int D, bool kBf16>
+// at D = 128), so ptxas may give each thread up to 255 registers. kSegments: packed rows
+// (args.segments, forward v2's representation): a query sees a key only where their ids are
+// equal, and the key loop starts at the first block that a query of the block can see.
+template <int D, bool kBf16, bool kSegments>
 __global__ void __launch_bounds__(kHopperThreads, 1)
     flash_forward_hopper(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
                          const __grid_constant__ CUtensorMap v_map, const __grid_constant__ CUtensorMap out_map,
@@ -290,6 +301,8 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
   const int query_a = warpgroup_q0 + row_a, query_b = warpgroup_q0 + row_b;
   const int last_query = min(q0 + kHopperQueries, seq) - 1;
   const int key_blocks = last_query / kHopperKeys + 1;
+  const int32_t* const segments_row = kSegments ? args.segments + static_cast<int64_t>(b) * seq : nullptr;
+  int32_t* const key_ids = reinterpret_cast<int32_t*>(base_pointer + L::kKeyIds);  // [2][kHopperKeys]
 
   if (thread == 0) {
     for (int i = 0; i < 5; ++i) mbarrier_init(q_full + 8 * i, 1);
@@ -303,8 +316,33 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
 #pragma unroll
     for (int c = 0; c < L::kChunks; ++c)
       tma_load(base + c * L::kQChunkBytes, q_map, c * kChunkColumns, h, q0, b, q_full);
-    request_key_block<D>(k_map, v_map, base, 0, 0, kv_head, b);
   }
+  // The first key block that any query of the block sees: 0, or on packed rows the block of the
+  // earliest key whose id is one of the queries' (segment_reach, attention_flash_tiles.cuh; searched
+  // while Q is on its way). The blocks before it are wholly masked for every row: skipping them
+  // leaves each row's max, sum and O as those blocks would (-inf, 0, 0).
+  int first_block = 0;
+  // This thread's two query rows' ids (rows past seq: any id; nothing of theirs is stored).
+  int32_t id_a = 0, id_b = 0;
+  if constexpr (kSegments) {
+    if (q0 >= kHopperKeys) {
+      int32_t* const scratch = reinterpret_cast<int32_t*>(base_pointer + L::kReachScratch);
+      first_block = segment_reach<kHopperThreads, kHopperQueries, true>(segments_row, seq, q0, last_query - q0 + 1,
+                                                                        scratch) /
+                    kHopperKeys;
+    }
+    id_a = query_a < seq ? segments_row[query_a] : 0;
+    id_b = query_b < seq ? segments_row[query_b] : 0;
+    // The first block's key ids into stage 0 (keys past seq: any id; the causal mask hides them),
+    // read in the loop after the __syncthreads below.
+    const int k_first = first_block * kHopperKeys;
+    for (int e = thread; e < kHopperKeys; e += kHopperThreads)
+      key_ids[e] = k_first + e < seq ? segments_row[k_first + e] : 0;
+  }
+  // Stages and mbarrier phases count iterations from the first block: iteration i uses stage
+  // i & 1, whose barriers complete for the (i >> 1)-th time.
+  if (thread == 0) request_key_block<D>(k_map, v_map, base, 0, first_block, kv_head, b);
+  if constexpr (kSegments) __syncthreads();
 
   // Q (A of S = Q K^T) for this warpgroup's 64 rows, K-major; k-step kk of 16 columns lies in
   // chunk kk / 4 at byte 32 * (kk % 4) of each swizzled row.
@@ -319,13 +357,23 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
 
   mbarrier_wait(q_full, 0);
 #pragma unroll 1
-  for (int block = 0; block < key_blocks; ++block) {
-    const int stage = block & 1;
-    const uint32_t parity = (block >> 1) & 1;
+  for (int block = first_block; block < key_blocks; ++block) {
+    const int iteration = block - first_block;
+    const int stage = iteration & 1;
+    const uint32_t parity = (iteration >> 1) & 1;
     // The other stage was last read by the previous block, which every warpgroup finished
-    // before the barrier that ended it: refill it with the next block while this one computes.
+    // before the barrier that ended it: refill it with the next block while this one computes
+    // (on packed rows its key ids too: plain stores, read after this iteration's barrier).
     if (thread == 0 && block + 1 < key_blocks)
       request_key_block<D>(k_map, v_map, base, stage ^ 1, block + 1, kv_head, b);
+    if constexpr (kSegments) {
+      if (block + 1 < key_blocks) {
+        const int k_next = (block + 1) * kHopperKeys;
+        int32_t* const next_ids = key_ids + (stage ^ 1) * kHopperKeys;
+        for (int e = thread; e < kHopperKeys; e += kHopperThreads)
+          next_ids[e] = k_next + e < seq ? segments_row[k_next + e] : 0;
+      }
+    }
     const uint32_t k_tile = base + L::kStages + stage * 2 * L::kKvBytes, v_tile = k_tile + L::kKvBytes;
     const uint32_t k_full = base + L::kBarriers + 8 * (1 + stage), v_full = k_full + 16;
 
@@ -345,17 +393,26 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
     wgmma_wait_all();
     pin_registers(s);
 
-    // Causal mask, only where some key of the block lies past the warp's first row. Keys past
-    // seq (zero-filled by TMA) lie past every valid query, so the causal mask hides them too.
+    // Causal mask, only where some key of the block lies past the warp's first row (on packed
+    // rows, everywhere: keys of other segments). Keys past seq (zero-filled by TMA) lie past every
+    // valid query, so the causal mask hides them too.
     const int k0 = block * kHopperKeys;
-    if (k0 + kHopperKeys - 1 > warpgroup_q0 + warp * 16) {
+    if (kSegments || k0 + kHopperKeys - 1 > warpgroup_q0 + warp * 16) {
+      const int32_t* const block_ids = key_ids + stage * kHopperKeys;
 #pragma unroll
       for (int nt = 0; nt < kHopperKeys / 8; ++nt)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          const int key = k0 + nt * 8 + 2 * thread_in_group + e;
-          if (key > query_a) s[4 * nt + e] = -INFINITY;
-          if (key > query_b) s[4 * nt + 2 + e] = -INFINITY;
+          const int column = nt * 8 + 2 * thread_in_group + e;
+          const int key = k0 + column;
+          bool hide_a = key > query_a, hide_b = key > query_b;
+          if constexpr (kSegments) {
+            const int32_t key_id = block_ids[column];
+            hide_a = hide_a || key_id != id_a;
+            hide_b = hide_b || key_id != id_b;
+          }
+          if (hide_a) s[4 * nt + e] = -INFINITY;
+          if (hide_b) s[4 * nt + 2 + e] = -INFINITY;
         }
     }
 
@@ -535,7 +592,7 @@ bool hopper_kernel_runs_here() {
     bool runs = major == 9 && minor == 0;
     if (runs) {
       cudaFuncAttributes attributes{};
-      runs = cudaFuncGetAttributes(&attributes, flash_forward_hopper<128, true>) == cudaSuccess;
+      runs = cudaFuncGetAttributes(&attributes, flash_forward_hopper<128, true, false>) == cudaSuccess;
       cudaGetLastError();  // a missing image is an answer here, not an error for the next launch
     }
     state = runs ? 1 : 2;
@@ -562,9 +619,15 @@ bool launch_hopper(const AttentionParams& p, const FlashTensors& t, cudaStream_t
   args.query_blocks = static_cast<int>((p.seq + kHopperQueries - 1) / kHopperQueries);
   args.scale_log2 = p.scale * kLog2e;
   args.lse = t.lse;
+  args.segments = p.segments;
   const unsigned blocks = static_cast<unsigned>(static_cast<int64_t>(args.query_blocks) * p.n_heads * p.batch);
-  allow_shared(flash_forward_hopper<D, kBf16>, bytes);
-  flash_forward_hopper<D, kBf16><<<blocks, kHopperThreads, bytes, stream>>>(q_map, k_map, v_map, out_map, args);
+  if (p.segments != nullptr) {
+    allow_shared(flash_forward_hopper<D, kBf16, true>, bytes);
+    flash_forward_hopper<D, kBf16, true><<<blocks, kHopperThreads, bytes, stream>>>(q_map, k_map, v_map, out_map, args);
+  } else {
+    allow_shared(flash_forward_hopper<D, kBf16, false>, bytes);
+    flash_forward_hopper<D, kBf16, false><<<blocks, kHopperThreads, bytes, stream>>>(q_map, k_map, v_map, out_map, args);
+  }
   MT_CUDA_CHECK_LAUNCH();
   return true;
 }
@@ -572,7 +635,6 @@ bool launch_hopper(const AttentionParams& p, const FlashTensors& t, cudaStream_t
 }  // namespace
 
 bool flash_forward_hopper_serves(const AttentionParams& p, const FlashTensors& t) {
-  if (p.segments != nullptr) return false;  // packed rows: a later step
   if (p.head_dim != 64 && p.head_dim != 128) return false;
   const DType type = t.q_type;
   if (type != DType::bf16 && type != DType::f16) return false;
