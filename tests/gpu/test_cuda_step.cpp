@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <functional>
 #include <nlohmann/json.hpp>
 
 #include "flash_versions_scope.h"
@@ -41,15 +42,20 @@ struct StepOutcome {
   std::vector<float> lora_weights;  // after the last step
 };
 
+// A step's micro-batches, given the step's index.
+using BatchMaker = std::function<std::vector<HostMicroBatch>(int step)>;
+
 // Two optimizer steps of two micro-batches each, from the same seeded weights on any backend
 // (fill_random draws the same values everywhere), with non-zero B so every gradient is non-zero.
-StepOutcome two_steps(Backend& backend, const RunConfig& run, const LlamaConfig& model) {
+// The micro-batches: `batches`' where given, else random_batches'.
+StepOutcome two_steps(Backend& backend, const RunConfig& run, const LlamaConfig& model,
+                      const BatchMaker& batches = {}) {
   PlannedEngine engine(backend, run, model);
   enginetest::init_with_nonzero_b(engine.engine());
   StepOutcome out;
   for (int s = 0; s < 2; ++s) {
     const double loss_scale = run.precision == Precision::fp16 ? engine->scaler().scale : 1.0;
-    const StepReport report = engine->train_step(random_batches(model, run, 2, 5 + s));
+    const StepReport report = engine->train_step(batches ? batches(s) : random_batches(model, run, 2, 5 + s));
     EXPECT_FALSE(report.skipped);
     out.losses.push_back(report.loss);
     out.grad_norms.push_back(report.grad_norm);
@@ -122,11 +128,52 @@ TEST_F(CudaStepTest, WholeStepsMatchTheCpuInEveryPrecisionAndTechnique) {
   }
 }
 
+// Packed micro-batches of `rows.size()` rows of `seq` tokens: row r holds samples of the lengths
+// rows[r] end to end, each its own segment with positions from 0 and targets the next token of the
+// same sample; the rest of the row is padding, a segment of its own without targets.
+std::vector<HostMicroBatch> packed_batches(const LlamaConfig& model, int64_t seq,
+                                           const std::vector<std::vector<int64_t>>& rows, int count, uint64_t seed) {
+  std::vector<HostMicroBatch> out;
+  for (int m = 0; m < count; ++m) {
+    HostMicroBatch b;
+    b.rows = static_cast<int64_t>(rows.size());
+    b.seq = seq;
+    b.real_tokens = 0;
+    for (size_t r = 0; r < rows.size(); ++r) {
+      int32_t id = 0;
+      int64_t used = 0;
+      for (const int64_t length : rows[r]) {
+        for (int64_t t = 0; t < length; ++t) {
+          const uint64_t index = static_cast<uint64_t>(m) * 100000 + r * 1000 + static_cast<uint64_t>(used + t);
+          b.input_ids.push_back(static_cast<int32_t>(dropout_hash(seed, index) % model.vocab_size));
+          b.targets.push_back(-100);
+          if (t > 0) b.targets[b.targets.size() - 2] = b.input_ids.back();
+          b.positions.push_back(static_cast<int32_t>(t));
+          b.segments.push_back(id);
+        }
+        used += length;
+        b.real_tokens += length;
+        ++id;
+      }
+      for (int64_t t = used; t < seq; ++t) {
+        b.input_ids.push_back(0);
+        b.targets.push_back(-100);
+        b.positions.push_back(static_cast<int32_t>(t - used));
+        b.segments.push_back(id);
+      }
+    }
+    out.push_back(std::move(b));
+  }
+  return out;
+}
+
 // The tensor-core attention kernels take head_dim 64 and 128 only (the small model's 32 runs the
 // generic ones): whole steps with flash attention at those head_dims, rows of 160 tokens (a full
-// 128-query tile of the Hopper forward and a partial one; 7 tokens of padding per row), in bf16 and
-// f16 with and without checkpointing, against the CPU. Each runs twice: with the backend's default
-// flash forward (on a compute capability 9.0 device, the Hopper forward) and with forward v2 forced.
+// 128-query tile of the Hopper forward and a partial one), in bf16 and f16 with and without
+// checkpointing, against the CPU: one sample a row (7 tokens of padding a row), and packed rows
+// (samples of 70, 1 and 60 tokens and 29 of padding; 13 and 140 tokens and 7 of padding). Each
+// runs twice: with the backend's default flash forward (on a compute capability 9.0 device, the
+// Hopper forward) and with forward v2 forced.
 TEST_F(CudaStepTest, WholeStepsAtTensorCoreHeadDimsMatchTheCpu) {
   struct Heads {
     int64_t head_dim, heads, kv_heads;
@@ -138,29 +185,37 @@ TEST_F(CudaStepTest, WholeStepsAtTensorCoreHeadDimsMatchTheCpu) {
     model.num_key_value_heads = shape.kv_heads;
     model.hidden_size = 256;
     for (const Precision precision : {Precision::bf16, Precision::fp16})
-      for (const bool checkpointing : {false, true}) {
-        RunConfig run = small_run();
-        run.max_seq_length = 160;
-        run.precision = precision;
-        run.attn_implementation = "flash";
-        run.gradient_checkpointing = checkpointing;
-        run.loss_implementation = "chunked";
-        run.loss_chunk_tokens = 24;
-        const StepOutcome want = two_steps(cpu(), run, model);
-        for (const bool hopper : {true, false}) {
-          SCOPED_TRACE("head_dim " + std::to_string(shape.head_dim) + " " + std::string(precision_name(precision)) +
-                       (checkpointing ? " ckpt" : "") + (hopper ? " default forward" : " forward v2"));
-          const FlashVersionsScope choice(flash_versions_with_hopper(hopper));
-          const StepOutcome got = two_steps(gpu(), run, model);
-          const double tolerance = 3e-2;  // as the 16-bit variants above
-          for (size_t s = 0; s < want.losses.size(); ++s) {
-            EXPECT_NEAR(got.losses[s], want.losses[s], tolerance * want.losses[s]) << "step " << s;
-            EXPECT_NEAR(got.grad_norms[s], want.grad_norms[s], 5 * tolerance * want.grad_norms[s]) << "step " << s;
+      for (const bool checkpointing : {false, true})
+        for (const bool packed : {false, true}) {
+          RunConfig run = small_run();
+          run.max_seq_length = 160;
+          run.precision = precision;
+          run.attn_implementation = "flash";
+          run.gradient_checkpointing = checkpointing;
+          run.loss_implementation = "chunked";
+          run.loss_chunk_tokens = 24;
+          BatchMaker batches;
+          if (packed) {
+            batches = [&](int step) {
+              return packed_batches(model, run.max_seq_length, {{70, 1, 60}, {13, 140}}, 2, 5 + step);
+            };
           }
-          expect_close("lora grads after step 1", got.grads, want.grads, 5 * tolerance);
-          expect_close("lora weights after step 2", got.lora_weights, want.lora_weights, tolerance);
+          const StepOutcome want = two_steps(cpu(), run, model, batches);
+          for (const bool hopper : {true, false}) {
+            SCOPED_TRACE("head_dim " + std::to_string(shape.head_dim) + " " + std::string(precision_name(precision)) +
+                         (checkpointing ? " ckpt" : "") + (packed ? " packed" : "") +
+                         (hopper ? " default forward" : " forward v2"));
+            const FlashVersionsScope choice(flash_versions_with_hopper(hopper));
+            const StepOutcome got = two_steps(gpu(), run, model, batches);
+            const double tolerance = 3e-2;  // as the 16-bit variants above
+            for (size_t s = 0; s < want.losses.size(); ++s) {
+              EXPECT_NEAR(got.losses[s], want.losses[s], tolerance * want.losses[s]) << "step " << s;
+              EXPECT_NEAR(got.grad_norms[s], want.grad_norms[s], 5 * tolerance * want.grad_norms[s]) << "step " << s;
+            }
+            expect_close("lora grads after step 1", got.grads, want.grads, 5 * tolerance);
+            expect_close("lora weights after step 2", got.lora_weights, want.lora_weights, tolerance);
+          }
         }
-      }
   }
 }
 
