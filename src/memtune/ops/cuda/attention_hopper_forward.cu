@@ -204,46 +204,33 @@ __device__ __forceinline__ void wgmma_m64n128_shared(float (&d)[64], uint64_t a,
 #undef MT_WGMMA_SS
 }
 
-// d (64 x N, fp32) += A B: A 64 x 16 from registers (this thread's four 16-bit pairs, the
-// m16n8k16 A-fragment layout per warp), B 16 x N N-major in shared memory (imm-trans-b = 1).
-template <bool kBf16>
-__device__ __forceinline__ void wgmma_m64n128_registers(float (&d)[64], const uint32_t (&a)[4], uint64_t b) {
-#define MT_WGMMA_RS128(TYPE)                                                                  \
-  asm volatile("wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE " " MT_REGS64       \
-               ", {%64, %65, %66, %67}, %68, 1, 1, 1, 1;\n"                                   \
-               : MT_ACC64                                                                     \
+// d (64 x N, fp32) += A B, N = 64 or 128 (the head_dim): A 64 x 16 from registers (this thread's
+// four 16-bit pairs, the m16n8k16 A-fragment layout per warp), B 16 x N N-major in shared memory
+// (imm-trans-b = 1). The instruction's shape, its accumulator list and the numbers of the operands
+// after it are literal asm text, so each (N, dtype) expands the one statement once.
+#define MT_RS_AB32 "{%32, %33, %34, %35}, %36"
+#define MT_RS_AB64 "{%64, %65, %66, %67}, %68"
+template <int N, bool kBf16>
+__device__ __forceinline__ void wgmma_m64_registers(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t b) {
+  static_assert(N == 64 || N == 128, "wgmma_m64_registers: N is 64 or 128");
+#define MT_WGMMA_RS(SHAPE, TYPE, REGS, ACC, AB)                                                     \
+  asm volatile("wgmma.mma_async.sync.aligned." SHAPE ".f32." TYPE "." TYPE " " REGS ", " AB         \
+               ", 1, 1, 1, 1;\n"                                                                    \
+               : ACC                                                                                \
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b))
-  if constexpr (kBf16) {
-    MT_WGMMA_RS128("bf16");
+  if constexpr (N == 128 && kBf16) {
+    MT_WGMMA_RS("m64n128k16", "bf16", MT_REGS64, MT_ACC64, MT_RS_AB64);
+  } else if constexpr (N == 128) {
+    MT_WGMMA_RS("m64n128k16", "f16", MT_REGS64, MT_ACC64, MT_RS_AB64);
+  } else if constexpr (kBf16) {
+    MT_WGMMA_RS("m64n64k16", "bf16", MT_REGS32, MT_ACC32, MT_RS_AB32);
   } else {
-    MT_WGMMA_RS128("f16");
+    MT_WGMMA_RS("m64n64k16", "f16", MT_REGS32, MT_ACC32, MT_RS_AB32);
   }
-#undef MT_WGMMA_RS128
+#undef MT_WGMMA_RS
 }
-
-template <bool kBf16>
-__device__ __forceinline__ void wgmma_m64n64_registers(float (&d)[32], const uint32_t (&a)[4], uint64_t b) {
-#define MT_WGMMA_RS64(TYPE)                                                                   \
-  asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " " MT_REGS32        \
-               ", {%32, %33, %34, %35}, %36, 1, 1, 1, 1;\n"                                   \
-               : MT_ACC32                                                                     \
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b))
-  if constexpr (kBf16) {
-    MT_WGMMA_RS64("bf16");
-  } else {
-    MT_WGMMA_RS64("f16");
-  }
-#undef MT_WGMMA_RS64
-}
-
-template <int D, bool kBf16>
-__device__ __forceinline__ void wgmma_pv(float (&o)[D / 2], const uint32_t (&p)[4], uint64_t v) {
-  if constexpr (D == 128) {
-    wgmma_m64n128_registers<kBf16>(o, p, v);
-  } else {
-    wgmma_m64n64_registers<kBf16>(o, p, v);
-  }
-}
+#undef MT_RS_AB32
+#undef MT_RS_AB64
 
 // Requests key block `block` (K, then V) into `stage`; called by one thread.
 template <int D>
@@ -471,7 +458,7 @@ __global__ void __launch_bounds__(kHopperThreads, 1)
     wgmma_fence();
 #pragma unroll
     for (int kc = 0; kc < kHopperKeys / 16; ++kc)
-      wgmma_pv<D, kBf16>(o, p[kc], v_descriptor + ((kc * 16 * kSwizzleRowBytes) >> 4));
+      wgmma_m64_registers<D, kBf16>(o, p[kc], v_descriptor + ((kc * 16 * kSwizzleRowBytes) >> 4));
     wgmma_commit();
     wgmma_wait_all();
     pin_registers(o);
