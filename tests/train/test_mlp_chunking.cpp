@@ -37,6 +37,17 @@ RunConfig small_run() {
   return run;
 }
 
+// small_run() as 4-bit QLoRA in bf16 with the own flash attention and dropout on, so that the
+// chunked and whole passes also slice the dropout masks.
+RunConfig small_qlora_run() {
+  RunConfig run = small_run();
+  run.precision = Precision::bf16;
+  run.load_in_4bit = true;
+  run.attn_implementation = "flash";
+  run.lora_dropout = 0.1;
+  return run;
+}
+
 struct StepResult {
   double loss;       // of the training step (its forward)
   double eval_loss;  // eval_loss_sum before the step
@@ -126,11 +137,7 @@ TEST(MlpChunking, DropoutIsActiveSoTheMaskComparisonMeansSomething) {
 
 TEST(MlpChunking, QloraChunkedStepIsCloseToTheWholeMlpStep) {
   const LlamaConfig model = small_model();
-  RunConfig run = small_run();
-  run.precision = Precision::bf16;
-  run.load_in_4bit = true;
-  run.attn_implementation = "flash";
-  run.lora_dropout = 0.1;
+  RunConfig run = small_qlora_run();
   run.mlp_chunk_tokens = 0;
   const StepResult whole = one_step(run, model);
   run.mlp_chunk_tokens = 16;
@@ -146,11 +153,7 @@ TEST(MlpChunking, QloraChunkedStepIsCloseToTheWholeMlpStep) {
 // equals the engine's peak; and fit_token_chunks gives the room back where a budget needs it.
 TEST(MlpChunking, HeldWeightsGiveTheSameStepWithOneDequantizationAPass) {
   const LlamaConfig model = small_model();
-  RunConfig run = small_run();
-  run.precision = Precision::bf16;
-  run.load_in_4bit = true;
-  run.attn_implementation = "flash";
-  run.lora_dropout = 0.1;
+  RunConfig run = small_qlora_run();
   run.mlp_chunk_tokens = 7;  // 48 rows: 7 chunks a pass
   struct Counted {
     double loss;
