@@ -8,6 +8,8 @@
 #     PARTS    comma list, default tests,sanitizer,ladder,peer:
 #       tests      memtune_gpu_tests (every kernel and whole steps against the CPU backend)
 #       sanitizer  compute-sanitizer memcheck and racecheck on a short training run
+#       sanitizer-tests  compute-sanitizer memcheck and racecheck on the GPU tests of SANITIZER_FILTER
+#                  (default: the Hopper forward's correctness tests), SANITIZER_TIMEOUT (150 s) each
 #       ladder     the memory ladder, Llama-3.1-8B architecture (random weights), b2 x 2048
 #       ladder-offload  the same ladder with --offload_activations (the checkpointing rungs keep
 #                  their checkpointed layer inputs in pinned host memory), into ladder-offload/
@@ -220,6 +222,22 @@ if has_part sanitizer; then
       echo "compute-sanitizer $tool [$variant]: exit $rc; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$WORK/sanitizer-$tool.log" | tail -1)"
       [ $rc -ne 0 ] && { status=1; grep -m5 -E "Invalid|Error|race" "$WORK/sanitizer-$tool.log"; }
     done
+  done
+fi
+
+# The kernels that the tiny model's head_dim never reaches (the Hopper forward serves head_dim 64
+# and 128): their correctness GPU tests (SANITIZER_FILTER) under memcheck and racecheck.
+if has_part sanitizer-tests; then
+  stamp sanitizer-tests
+  for tool in memcheck racecheck; do
+    timeout "${SANITIZER_TIMEOUT:-150}" compute-sanitizer --tool "$tool" --error-exitcode 9 \
+      "$BIN_DIR/memtune_gpu_tests" --gtest_filter="${SANITIZER_FILTER:-CudaHopperAttentionTest.*-*Timing*}" \
+      > "$WORK/sanitizer-tests-$tool.log" 2>&1
+    rc=$?
+    echo "compute-sanitizer $tool [${SANITIZER_FILTER:-CudaHopperAttentionTest.*-*Timing*}]: exit $rc" \
+         "(124: timed out); $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$WORK/sanitizer-tests-$tool.log" | tail -1);" \
+         "$(grep -E '\[  PASSED  \]|\[  FAILED  \]' "$WORK/sanitizer-tests-$tool.log" | tr '\n' ' ')"
+    [ $rc -ne 0 ] && { status=1; grep -m8 -E "Invalid|Error|race|hazard" "$WORK/sanitizer-tests-$tool.log"; }
   done
 fi
 

@@ -19,6 +19,11 @@
 #     d   configuration 4 under the large cap (BIG_CAP, default 80 GiB): memtune's edge (1 step),
 #         transformers + PEFT's and Liger's longest context
 #     e   configuration 4 under the large cap for Unsloth
+#     f   configuration 4 under the large cap, the half that needs a card of more than 80 GiB:
+#         memtune's edge without activation offload (1 step), then Unsloth at that length (1 step)
+#     g   configuration 4 under the large cap for transformers + PEFT and Liger
+#     h   configurations 1-3 for all four tools in one call
+#     k   issue 23: the attention GPU tests, compute-sanitizer on the Hopper forward's, PyTorch SDPA
 #     ab  a kernel change's call: the whole GPU test suite (TEST_FILTER, default all) and compute-sanitizer
 #         (AB_PARTS, default tests,sanitizer), then memtune's
 #         configurations 1 and 3 (AB_CONFIGS) with BIN_DIR and with BASE_BIN_DIR (required)
@@ -26,7 +31,7 @@
 #   BIN_DIR  prepare-devbin.sh's folder (default .devbin); carry it and .whl.
 # Each call reuses nothing of another: each can run on a fresh machine.
 set -u
-CALL=${1:?usage: scripts/device-peers.sh a|b|c|d|e|f|g|h|ab [BIN_DIR]}
+CALL=${1:?usage: scripts/device-peers.sh a|b|c|d|e|f|g|h|k|ab [BIN_DIR]}
 BIN_DIR=${2:-.devbin}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-/tmp/memtune-device-check}
@@ -112,14 +117,19 @@ case "$CALL" in
     ;;
   g)
     # Configuration 4 under the large cap for transformers + PEFT and Liger (windows from the 24 GiB
-    # run's memory a token; each probe 1 timed step + 1 untimed), then the attention table of issue 23
-    # (memtune's own kernels and cuDNN in the GPU tests' timing lines, PyTorch SDPA's beside them).
+    # run's memory a token; each probe 1 timed step + 1 untimed).
     BIG_CAP=${BIG_CAP:-80}
     CONTEXT_CAPS=$BIG_CAP CONTEXT_MIN=32768 CONTEXT_MAX=65536 CONTEXT_UNIT=16384 CONTEXT_STEPS=1 CONTEXT_TIMEOUT=150 \
       PROBE_TIMEOUT=70 check "$BIN_DIR" peer-context
     CONTEXT_CAPS=$BIG_CAP CONTEXT_MIN=131072 CONTEXT_MAX=163840 CONTEXT_UNIT=16384 CONTEXT_STEPS=1 CONTEXT_TIMEOUT=330 \
       PROBE_TIMEOUT=250 PEER_ARGS="--liger" check "$BIN_DIR" peer-context
-    GTEST_FILTER='*Timing*Flash*:*Timing*Cudnn*:CudnnRaggedTest.Timing*:CudaHopperAttentionTest.*' TEST_TIMEOUT=120 check "$BIN_DIR" tests,sdpa
+    ;;
+  k)
+    # Issue 23's call: the attention GPU tests (own kernels, Hopper forward, cuDNN; their timing lines
+    # are the table's memtune columns), compute-sanitizer on the Hopper forward's tests, and PyTorch
+    # SDPA (flash, cuDNN) on the same shapes.
+    GTEST_FILTER=${TEST_FILTER:-'CudaHopperAttentionTest.*:CudaAttentionTest.*:CudnnAttentionTest.*:CudnnRaggedTest.*:CudaStepTest.WholeStepsAtTensorCoreHeadDimsMatchTheCpu'} \
+      TEST_TIMEOUT=${TEST_TIMEOUT:-200} check "$BIN_DIR" tests,sanitizer-tests,sdpa
     ;;
   h)
     # Configurations 1-3 for all four tools in one call: memtune's variants, Unsloth (1, 3 and its
@@ -142,6 +152,6 @@ case "$CALL" in
       CONFIGS=${AB_CONFIGS:-qlora,lora16} CONFIG_STEPS=6 check "$BASE_BIN_DIR" configs
     done
     ;;
-  *) echo "device-peers: unknown call $CALL (a, b, c, d, e, f, g, h or ab)" >&2; exit 2 ;;
+  *) echo "device-peers: unknown call $CALL (a, b, c, d, e, f, g, h, k or ab)" >&2; exit 2 ;;
 esac
 echo "== $(date -u +%T) done" | tee -a "$OUT/dates.txt"
