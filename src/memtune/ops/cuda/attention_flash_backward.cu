@@ -11,11 +11,15 @@
 // kv head are summed in registers over its whole group: K and V are never repeated. The tiling
 // ("backward v2", below): 128 keys x 8 warps per block, Q/dO/lse/D double-buffered by cp.async,
 // dS^T kept in registers for dK, skipped masked warps, vector fp32 reductions for dQ on sm_90,
-// 16-byte D/zeroing and dQ rounding passes.
+// 16-byte D/zeroing and dQ rounding passes. On compute capability 9.0 the main pass may instead be
+// the Hopper backward's (attention_hopper_backward.cu: wgmma + TMA, same contract), where
+// FlashVersions::backward_hopper is set (attention_flash.h; off by default) and it serves the call.
 // Generic kernels (any even head_dim up to 256, any float dtypes, any alignment, and shapes the
 // tensor-core tiling cannot take): one warp per query row (dQ) or key row (dK/dV), fp32
 // throughout.
+#include "memtune/ops/cuda/attention_flash.h"
 #include "memtune/ops/cuda/attention_flash_tiles.cuh"
+#include "memtune/ops/cuda/attention_hopper.h"
 
 namespace memtune::cuda {
 namespace {
@@ -664,7 +668,11 @@ void attention_flash_backward(const AttentionParams& p, const FlashTensors& t,
   if (attention_flash_uses_tensor_cores(p, t, true)) {
     keys_per_block = p.head_dim == 64 ? backward_keys_per_block<64>(p) : backward_keys_per_block<128>(p);
   }
-  if (keys_per_block > 0) {
+  // The Hopper backward's main pass in place of backward v2's where it is turned on
+  // (FlashVersions::backward_hopper) and serves the call (attention_hopper.h); the passes before
+  // and after it are the same.
+  const bool hopper = flash_versions().backward_hopper && flash_backward_hopper_serves(p, t);
+  if (hopper || keys_per_block > 0) {
     // The 16-byte passes before and after take O and dq in q's dtype and 16-byte alignment
     // (else the generic ones run); the main kernel does not care.
     const bool vector_io = t.out_type == t.q_type && t.d_out_type == t.q_type &&
@@ -685,7 +693,17 @@ void attention_flash_backward(const AttentionParams& p, const FlashTensors& t,
                                                                                         true);
     }
     MT_CUDA_CHECK_LAUNCH();
-    if (p.head_dim == 64) {
+    if (hopper && launch_flash_backward_hopper(p, t, stream)) {
+      // dQ is in the accumulator, dk and dv written.
+    } else if (keys_per_block == 0) {
+      // The Hopper launch refused after all (no tensor-map encoder, too little shared memory) on a
+      // shape that backward v2 does not take: the generic kernels, with D already computed.
+      flash_dq_generic<<<warp_rows_grid(query_rows), kGenericWarps * 32, 0, stream>>>(p, t);
+      MT_CUDA_CHECK_LAUNCH();
+      flash_dkdv_generic<<<warp_rows_grid(p.batch * p.n_kv_heads * p.seq), kGenericWarps * 32, 0, stream>>>(p, t);
+      MT_CUDA_CHECK_LAUNCH();
+      return;
+    } else if (p.head_dim == 64) {
       bf16 ? launch_backward_v2<64, true>(p, t, keys_per_block, stream)
            : launch_backward_v2<64, false>(p, t, keys_per_block, stream);
     } else {

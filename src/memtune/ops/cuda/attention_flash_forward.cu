@@ -572,6 +572,19 @@ std::atomic<bool>& forward_hopper_flag() {
   return flag;
 }
 
+// Whether the Hopper backward may run (MEMTUNE_FLASH_BACKWARD=hopper: yes; v2 or unset: no); read
+// once. Any other value aborts, as for MEMTUNE_FLASH_FORWARD.
+std::atomic<bool>& backward_hopper_flag() {
+  static std::atomic<bool> flag{[] {
+    const char* value = std::getenv("MEMTUNE_FLASH_BACKWARD");
+    if (value == nullptr || std::strcmp(value, "v2") == 0) return false;
+    if (std::strcmp(value, "hopper") == 0) return true;
+    cuda_check_failed("getenv(\"MEMTUNE_FLASH_BACKWARD\")", "environment", "MEMTUNE_FLASH_BACKWARD takes v2 or hopper",
+                      __FILE__, __LINE__);
+  }()};
+  return flag;
+}
+
 // Forward v2's keys per block (MEMTUNE_FLASH_FWD_KEYS=32 or 64; else 0, the default); read once.
 std::atomic<int>& forward_keys_value() {
   static std::atomic<int> keys{[] {
@@ -602,6 +615,7 @@ std::atomic<int>& forward_rescale_slack_value() {
 FlashVersions flash_versions() {
   FlashVersions versions;
   versions.forward_hopper = forward_hopper_flag().load(std::memory_order_relaxed);
+  versions.backward_hopper = backward_hopper_flag().load(std::memory_order_relaxed);
   versions.forward_keys = forward_keys_value().load(std::memory_order_relaxed);
   versions.forward_grid_per_head = forward_grid_per_head_flag().load(std::memory_order_relaxed);
   versions.forward_rescale_always = forward_rescale_always_flag().load(std::memory_order_relaxed);
@@ -611,6 +625,7 @@ FlashVersions flash_versions() {
 
 void set_flash_versions(const FlashVersions& versions) {
   forward_hopper_flag().store(versions.forward_hopper, std::memory_order_relaxed);
+  backward_hopper_flag().store(versions.backward_hopper, std::memory_order_relaxed);
   forward_keys_value().store(versions.forward_keys, std::memory_order_relaxed);
   forward_grid_per_head_flag().store(versions.forward_grid_per_head, std::memory_order_relaxed);
   forward_rescale_always_flag().store(versions.forward_rescale_always, std::memory_order_relaxed);

@@ -24,4 +24,20 @@ bool flash_forward_hopper_serves(const AttentionParams& p, const FlashTensors& t
 // flash_forward_hopper_serves is false (or the driver cannot encode the tensor maps).
 bool launch_flash_forward_hopper(const AttentionParams& p, const FlashTensors& t, cudaStream_t stream);
 
+// The Hopper backward (attention_hopper_backward.cu; wgmma + TMA, FlashAttention-3's tiling
+// without warp specialisation yet): the main pass of attention_flash_backward (cuda_ops.h), which
+// runs it in place of backward v2's main kernel where FlashVersions::backward_hopper holds
+// (attention_flash.h; off by default, MEMTUNE_FLASH_BACKWARD=hopper turns it on) and it serves the
+// call. It reads q, k, v, d_out, lse and t.delta (= rowsum(dO * O), f32 [batch, n_heads, seq]),
+// adds dQ into t.dq_accum (f32, q's layout, zeroed before), and writes dk and dv (16-bit, k's
+// layout); the D pass before it and dQ's rounding after it are attention_flash_backward's.
+// Serves: compute capability 9.0 with the sm_90a kernel in the binary, head_dim 64 or 128, q, k,
+// v, d_out, dk and dv all bf16 or all f16, those and dq_accum 16-byte aligned, seq and the grid
+// within 32 bits; packed rows (p.segments) as backward v2 takes them.
+bool flash_backward_hopper_serves(const AttentionParams& p, const FlashTensors& t);
+
+// Launches that main pass on `stream` and returns true; returns false, launching nothing, where
+// flash_backward_hopper_serves is false (or the driver cannot encode the tensor maps).
+bool launch_flash_backward_hopper(const AttentionParams& p, const FlashTensors& t, cudaStream_t stream);
+
 }  // namespace memtune::cuda

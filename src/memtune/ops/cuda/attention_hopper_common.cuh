@@ -1,5 +1,5 @@
-// What the Hopper (sm_90a) attention kernels share (attention_hopper_forward.cu, and the backward
-// that issue 23 adds next): the mbarrier and TMA (cp.async.bulk.tensor) wrappers,
+// What the Hopper (sm_90a) attention kernels share (attention_hopper_forward.cu, and
+// attention_hopper_backward.cu; issue 23): the mbarrier and TMA (cp.async.bulk.tensor) wrappers,
 // the wgmma wrappers and shared-memory matrix descriptors for the 128-byte swizzled layout, and on
 // the host the tensor maps of [batch][seq][heads][head_dim] rows and the check that the sm_90a
 // image is in the binary. Like attention_flash_tiles.cuh, everything has internal linkage: each

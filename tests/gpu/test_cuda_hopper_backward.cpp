@@ -1,0 +1,432 @@
+// The Hopper backward of flash attention (attention_hopper.h; wgmma + TMA, sm_90a), the main pass
+// that the backend's flash backward runs in place of backward v2's where FlashVersions::
+// backward_hopper is set (off by default until measured): dq, dk and dv against the CPU backend's
+// flash backward at odd shapes (seq 1 to 2,600, head_dim 64 and 128, GQA 32/8, 4/1 and 2/2, batch
+// 1 and 3, bf16 and f16), against backward v2 on the same device inputs over the whole grid of those
+// shapes, on packed rows against the CPU, what it refuses, and a timing print beside backward v2
+// and cuDNN. Skips without a GPU, on devices other than compute capability 9.0, and in builds
+// without its sm_90a kernel.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <functional>
+
+#include "flash_versions_scope.h"
+#include "gpu_test_util.h"
+#include "gpu_timing.h"
+#include "memtune/ops/cuda/attention_flash.h"
+#include "memtune/ops/cuda/attention_flash_args.h"
+#include "memtune/ops/cuda/attention_hopper.h"
+#include "memtune/ops/cuda/cuda_ops.h"
+#include "../support/attention_setup.h"
+
+namespace memtune::gputest {
+namespace {
+
+using optest::random_tensor;
+
+struct Config {
+  int64_t batch, seq, heads, kv_heads, head_dim;
+};
+
+std::string label(const Config& c, DType type) {
+  return "b" + std::to_string(c.batch) + " s" + std::to_string(c.seq) + " h" + std::to_string(c.heads) + "/" +
+         std::to_string(c.kv_heads) + " d" + std::to_string(c.head_dim) + " " + optest::dtype_label(type);
+}
+
+// ||a - b|| / ||b|| in double over two equally long arrays (the large shapes hold 32M values a
+// tensor: expect_close's double copies would take longer than the kernels); `finite` says whether
+// every value of a is finite.
+double relative_error(const std::vector<float>& a, const std::vector<float>& b, bool& finite) {
+  double difference = 0.0, norm = 0.0;
+  finite = a.size() == b.size();
+  for (size_t i = 0; i < a.size() && i < b.size(); ++i) {
+    finite = finite && std::isfinite(a[i]);
+    difference += (static_cast<double>(a[i]) - b[i]) * (static_cast<double>(a[i]) - b[i]);
+    norm += static_cast<double>(b[i]) * b[i];
+  }
+  return norm > 0.0 ? std::sqrt(difference / norm) : std::sqrt(difference);
+}
+
+// The current flash versions with the Hopper backward turned on or off.
+cuda::FlashVersions versions_with_hopper_backward(bool on) {
+  cuda::FlashVersions versions = cuda::flash_versions();
+  versions.backward_hopper = on;
+  return versions;
+}
+
+struct Gradients {
+  std::vector<float> dq, dk, dv;
+};
+
+class CudaHopperBackwardTest : public CudaTest {
+ protected:
+  void SetUp() override {
+    CudaTest::SetUp();
+    if (IsSkipped()) return;
+    int device = 0, major = 0, minor = 0;
+    ASSERT_EQ(cudaGetDevice(&device), cudaSuccess);
+    ASSERT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), cudaSuccess);
+    ASSERT_EQ(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device), cudaSuccess);
+    if (major != 9 || minor != 0)
+      GTEST_SKIP() << "compute capability " << major << "." << minor
+                   << ": the Hopper (sm_90a) attention backward needs 9.0; skipped";
+    // A shape it serves: false only where the binary lacks the sm_90a kernel.
+    DeviceTensor probe(gpu(), DType::bf16, Shape{64});
+    DeviceTensor stats(gpu(), DType::f32, Shape{64});
+    if (!cuda::flash_backward_hopper_serves(params_of(Config{1, 1, 1, 1, 64}), probe_tensors(probe, stats)))
+      GTEST_SKIP() << "this build has no sm_90a kernel (MEMTUNE_CUDA_ARCHS without 90); skipped";
+  }
+
+  static cuda::AttentionParams params_of(const Config& c, const Tensor& segments = Tensor{}) {
+    return cuda::attention_params_of(test::attention_dims_of(c), segments);
+  }
+  // Backward tensors that all alias one 16-bit buffer and one f32 buffer (for serves checks).
+  static cuda::FlashTensors probe_tensors(const Tensor& b16, const Tensor& f32) {
+    return cuda::flash_backward_tensors(b16, b16, b16, f32, f32, b16, b16, f32, b16, b16, b16);
+  }
+
+  // The backend's flash backward with the Hopper backward on or off; outputs poisoned first.
+  Gradients backend_backward(bool hopper, DType type, const Config& c, const Tensor& d_out, const Tensor& out,
+                             const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
+                             const Tensor& segments = Tensor{}) {
+    const FlashVersionsScope choice(versions_with_hopper_backward(hopper));
+    const AttentionDims dims = test::attention_dims_of(c);
+    const Shape q_shape = q.shape, kv_shape = k.shape, rows{c.batch * c.heads * c.seq};
+    DeviceTensor dq = poisoned(type, q_shape), dk = poisoned(type, kv_shape), dv = poisoned(type, kv_shape);
+    DeviceTensor delta = poisoned(DType::f32, rows), dq_accum = poisoned(DType::f32, q_shape);
+    gpu().attention_flash_backward(dq, dk, dv, delta, dq_accum, d_out, out, lse, q, k, v, segments, dims);
+    return Gradients{dq.floats(), dk.floats(), dv.floats()};
+  }
+};
+
+// Against the CPU backend's flash backward (fp32 math on the same 16-bit inputs, and the CPU
+// forward's out and lse, uploaded): dq, dk and dv within the dtype's storage tolerance, as backward
+// v2 is held in test_cuda_attention.cpp. Every odd length with every GQA shape and batch at seq <=
+// 130; the long rows with the head counts that keep the CPU's quadratic backward to seconds.
+TEST_F(CudaHopperBackwardTest, BackwardMatchesCpu) {
+  std::vector<Config> configs;
+  for (const int64_t seq : {1, 77, 130})
+    for (const int64_t head_dim : {64, 128})
+      for (const auto& [heads, kv_heads] : {std::pair<int64_t, int64_t>{32, 8}, {4, 1}, {2, 2}})
+        for (const int64_t batch : {1, 3}) configs.push_back(Config{batch, seq, heads, kv_heads, head_dim});
+  for (const int64_t head_dim : {64, 128}) {
+    configs.push_back(Config{3, 1000, 4, 1, head_dim});
+    configs.push_back(Config{1, 1000, 2, 2, head_dim});
+    configs.push_back(Config{1, 2600, 4, 1, head_dim});
+    configs.push_back(Config{1, 2600, 2, 2, head_dim});
+  }
+  configs.push_back(Config{1, 1000, 32, 8, 128});
+  for (const Config& c : configs)
+    for (const DType type : {DType::bf16, DType::f16}) {
+      SCOPED_TRACE(label(c, type));
+      const AttentionDims dims = test::attention_dims_of(c);
+      const int64_t n = c.batch * c.seq;
+      const HostTensor hq = random_tensor(type, Shape{n, c.heads * c.head_dim}, rng_, -1.5, 1.5);
+      const HostTensor hk = random_tensor(type, Shape{n, c.kv_heads * c.head_dim}, rng_, -1.5, 1.5);
+      const HostTensor hv = random_tensor(type, Shape{n, c.kv_heads * c.head_dim}, rng_);
+      const HostTensor hdo = random_tensor(type, Shape{n, c.heads * c.head_dim}, rng_);
+      const Shape rows{c.batch * c.heads * c.seq};
+      HostTensor cpu_out(type, hq.shape), cpu_lse(DType::f32, rows), cpu_delta(DType::f32, rows);
+      HostTensor cpu_dq(type, hq.shape), cpu_dk(type, hk.shape), cpu_dv(type, hk.shape);
+      HostTensor cpu_dq_accum(DType::f32, hq.shape);
+      cpu().attention_flash_forward(cpu_out, cpu_lse, hq, hk, hv, Tensor{}, dims);
+      cpu().attention_flash_backward(cpu_dq, cpu_dk, cpu_dv, cpu_delta, cpu_dq_accum, hdo, cpu_out, cpu_lse, hq, hk,
+                                     hv, Tensor{}, dims);
+
+      DeviceTensor q = upload(hq), k = upload(hk), v = upload(hv), d_out = upload(hdo);
+      DeviceTensor out = upload(cpu_out), lse = upload(cpu_lse);
+      const Gradients hopper = backend_backward(true, type, c, d_out, out, lse, q, k, v);
+      expect_close("hopper backward dq", hopper.dq, cpu_dq.floats(), storage_tolerance(type));
+      expect_close("hopper backward dk", hopper.dk, cpu_dk.floats(), storage_tolerance(type));
+      expect_close("hopper backward dv", hopper.dv, cpu_dv.floats(), storage_tolerance(type));
+    }
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+}
+
+// The backend's flash backward with the Hopper backward on and off (backward v2) over the same
+// device inputs and the same forward's out and lse, over the whole grid of odd shapes: seq 1, 77,
+// 130, 1000, 2600 x head_dim 64, 128 x GQA 32/8, 4/1, 2/2 x batch 1, 3 x bf16, f16. dq, dk and dv
+// within the dtype's storage tolerance of each other. That the backend ran the Hopper kernel: a
+// direct launch of its main pass on the backend's D (left in the delta scratch) gives the same dk
+// and dv bit for bit (their sums run in registers in a fixed order; dQ's reductions do not), and
+// its dQ accumulator matches the backend's dq.
+TEST_F(CudaHopperBackwardTest, BackendBackwardMatchesV2AtOddShapes) {
+  uint64_t seed = 300;
+  for (const int64_t seq : {1, 77, 130, 1000, 2600})
+    for (const int64_t head_dim : {64, 128})
+      for (const auto& [heads, kv_heads] : {std::pair<int64_t, int64_t>{32, 8}, {4, 1}, {2, 2}})
+        for (const int64_t batch : {1, 3})
+          for (const DType type : {DType::bf16, DType::f16}) {
+            const Config c{batch, seq, heads, kv_heads, head_dim};
+            SCOPED_TRACE(label(c, type));
+            const AttentionDims dims = test::attention_dims_of(c);
+            const int64_t n = batch * seq;
+            const Shape q_shape{n, heads * head_dim}, kv_shape{n, kv_heads * head_dim}, rows{batch * heads * seq};
+            DeviceTensor q(gpu(), type, q_shape), k(gpu(), type, kv_shape), v(gpu(), type, kv_shape);
+            DeviceTensor d_out(gpu(), type, q_shape);
+            gpu().fill_random(q, Backend::Distribution::uniform, -1.5f, 1.5f, ++seed);
+            gpu().fill_random(k, Backend::Distribution::uniform, -1.5f, 1.5f, ++seed);
+            gpu().fill_random(v, Backend::Distribution::uniform, -1.0f, 1.0f, ++seed);
+            gpu().fill_random(d_out, Backend::Distribution::uniform, -1.0f, 1.0f, ++seed);
+            const Tensor none;
+            DeviceTensor out = poisoned(type, q_shape), lse = poisoned(DType::f32, rows);
+            gpu().attention_flash_forward(out, lse, q, k, v, none, dims);
+
+            const Gradients v2 = backend_backward(false, type, c, d_out, out, lse, q, k, v);
+            DeviceTensor dq = poisoned(type, q_shape), dk = poisoned(type, kv_shape), dv = poisoned(type, kv_shape);
+            DeviceTensor delta = poisoned(DType::f32, rows), dq_accum = poisoned(DType::f32, q_shape);
+            {
+              const FlashVersionsScope hopper(versions_with_hopper_backward(true));
+              gpu().attention_flash_backward(dq, dk, dv, delta, dq_accum, d_out, out, lse, q, k, v, none, dims);
+            }
+            const Gradients hopper{dq.floats(), dk.floats(), dv.floats()};
+            for (const auto& [what, a, b] : {std::tuple{"dq", &hopper.dq, &v2.dq}, std::tuple{"dk", &hopper.dk, &v2.dk},
+                                             std::tuple{"dv", &hopper.dv, &v2.dv}}) {
+              bool finite = false;
+              const double error = relative_error(*a, *b, finite);
+              EXPECT_TRUE(finite) << what << ": non-finite values (unwritten or NaN)";
+              EXPECT_LT(error, storage_tolerance(type)) << what << ", hopper vs v2";
+            }
+
+            // The direct launch: the backend's D, a zeroed accumulator, fresh dk and dv.
+            DeviceTensor direct_dk = poisoned(type, kv_shape), direct_dv = poisoned(type, kv_shape);
+            DeviceTensor direct_accum(gpu(), DType::f32, q_shape);
+            ASSERT_EQ(cudaMemset(direct_accum.tensor().data, 0, direct_accum.tensor().nbytes()), cudaSuccess);
+            const cuda::FlashTensors t = cuda::flash_backward_tensors(dq, direct_dk, direct_dv, delta, direct_accum,
+                                                                      d_out, out, lse, q, k, v);
+            ASSERT_TRUE(cuda::flash_backward_hopper_serves(params_of(c), t));
+            ASSERT_TRUE(cuda::launch_flash_backward_hopper(params_of(c), t, nullptr));
+            ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+            EXPECT_TRUE(direct_dk.floats() == hopper.dk) << "the backend's backward is not the Hopper kernel";
+            EXPECT_TRUE(direct_dv.floats() == hopper.dv) << "the backend's backward is not the Hopper kernel";
+            bool finite = false;
+            EXPECT_LT(relative_error(direct_accum.floats(), hopper.dq, finite), storage_tolerance(type))
+                << "direct dQ accumulator vs the backend's dq";
+            EXPECT_TRUE(finite);
+          }
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+}
+
+// Packed rows: each batch row's runs of equal segment ids, as (tokens, id) in order.
+struct IdRun {
+  int64_t tokens;
+  int32_t id;
+};
+
+HostTensor segment_ids(const Config& c, const std::vector<std::vector<IdRun>>& rows) {
+  EXPECT_EQ(rows.size(), static_cast<size_t>(c.batch));
+  std::vector<int32_t> ids;
+  for (size_t r = 0; r < rows.size(); ++r) {
+    for (const IdRun& run : rows[r]) ids.insert(ids.end(), static_cast<size_t>(run.tokens), run.id);
+    EXPECT_EQ(ids.size(), static_cast<size_t>(c.seq) * (r + 1)) << "row " << r << "'s runs must fill seq";
+  }
+  return optest::i32_tensor(Shape{c.batch * c.seq}, ids);
+}
+
+// The Hopper backward on packed rows against the CPU backend's flash backward with the same ids
+// (the CPU forward's out and lse, uploaded), and against backward v2 on the device. The rows, as
+// for the Hopper forward's packed test: a one-token sample and samples across the 128-key blocks;
+// ids that come back after others, ids that fall; a last token whose id is the first token's (the
+// first key block's query loop must run to the row's end); every token its own sample; one sample.
+TEST_F(CudaHopperBackwardTest, PackedRowsMatchCpu) {
+  struct Case {
+    Config config;
+    std::vector<std::vector<IdRun>> rows;
+  };
+  std::vector<IdRun> own_ids;  // 300 samples of one token
+  for (int32_t i = 0; i < 300; ++i) own_ids.push_back(IdRun{1, i});
+  const Case cases[] = {
+      {{1, 2600, 2, 1, 128}, {{{700, 0}, {1, 1}, {1299, 2}, {600, 3}}}},
+      {{1, 2600, 4, 2, 64}, {{{700, 0}, {1, 1}, {1299, 2}, {600, 3}}}},
+      {{2, 1337, 4, 1, 128}, {{{300, 0}, {200, 1}, {400, 0}, {437, 2}}, {{1, 5}, {500, 7}, {1, 5}, {835, 7}}}},
+      {{3, 777, 2, 2, 64}, {{{100, 9}, {300, 4}, {377, -2}}, {{777, 0}}, {{129, 3}, {129, 2}, {129, 3}, {390, 1}}}},
+      {{1, 1000, 2, 1, 64}, {{{1, 0}, {998, 1}, {1, 0}}}},
+      {{1, 300, 8, 2, 128}, {own_ids}}};
+  for (const Case& test_case : cases)
+    for (const DType type : {DType::bf16, DType::f16}) {
+      const Config& c = test_case.config;
+      SCOPED_TRACE("packed " + label(c, type));
+      const AttentionDims dims = test::attention_dims_of(c);
+      const int64_t n = c.batch * c.seq;
+      const HostTensor hq = random_tensor(type, Shape{n, c.heads * c.head_dim}, rng_, -1.5, 1.5);
+      const HostTensor hk = random_tensor(type, Shape{n, c.kv_heads * c.head_dim}, rng_, -1.5, 1.5);
+      const HostTensor hv = random_tensor(type, Shape{n, c.kv_heads * c.head_dim}, rng_);
+      const HostTensor hdo = random_tensor(type, Shape{n, c.heads * c.head_dim}, rng_);
+      const HostTensor hids = segment_ids(c, test_case.rows);
+      const Shape rows{c.batch * c.heads * c.seq};
+      HostTensor cpu_out(type, hq.shape), cpu_lse(DType::f32, rows), cpu_delta(DType::f32, rows);
+      HostTensor cpu_dq(type, hq.shape), cpu_dk(type, hk.shape), cpu_dv(type, hk.shape);
+      HostTensor cpu_dq_accum(DType::f32, hq.shape);
+      cpu().attention_flash_forward(cpu_out, cpu_lse, hq, hk, hv, hids.tensor(), dims);
+      cpu().attention_flash_backward(cpu_dq, cpu_dk, cpu_dv, cpu_delta, cpu_dq_accum, hdo, cpu_out, cpu_lse, hq, hk,
+                                     hv, hids.tensor(), dims);
+
+      DeviceTensor q = upload(hq), k = upload(hk), v = upload(hv), d_out = upload(hdo), ids = upload(hids);
+      DeviceTensor out = upload(cpu_out), lse = upload(cpu_lse);
+      {
+        DeviceTensor probe_dk(gpu(), type, hk.shape), probe_accum(gpu(), DType::f32, hq.shape);
+        const cuda::FlashTensors t = cuda::flash_backward_tensors(q, probe_dk, probe_dk, lse, probe_accum, d_out, out,
+                                                                  lse, q, k, v);
+        ASSERT_TRUE(cuda::flash_backward_hopper_serves(params_of(c, ids), t)) << "packed rows are served";
+      }
+      const Gradients hopper = backend_backward(true, type, c, d_out, out, lse, q, k, v, ids);
+      expect_close("hopper packed dq", hopper.dq, cpu_dq.floats(), storage_tolerance(type));
+      expect_close("hopper packed dk", hopper.dk, cpu_dk.floats(), storage_tolerance(type));
+      expect_close("hopper packed dv", hopper.dv, cpu_dv.floats(), storage_tolerance(type));
+      const Gradients v2 = backend_backward(false, type, c, d_out, out, lse, q, k, v, ids);
+      expect_close("hopper packed dq vs v2", hopper.dq, v2.dq, storage_tolerance(type));
+      expect_close("hopper packed dk vs v2", hopper.dk, v2.dk, storage_tolerance(type));
+      expect_close("hopper packed dv vs v2", hopper.dv, v2.dv, storage_tolerance(type));
+    }
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+}
+
+// What the launcher refuses, launching nothing: head_dims other than 64/128, f32, a dk of another
+// dtype, misaligned pointers, no D scratch, GQA groups that do not divide. Packed rows it serves.
+// With the Hopper backward turned on, the backend's flash backward still runs (backward v2 or the
+// generic kernels) where it refuses: head_dim 96 against the CPU.
+TEST_F(CudaHopperBackwardTest, RefusesWhatItDoesNotServe) {
+  DeviceTensor buffer(gpu(), DType::bf16, Shape{4096});
+  DeviceTensor stats(gpu(), DType::f32, Shape{4096});
+  DeviceTensor segments(gpu(), DType::i32, Shape{64});
+  const cuda::AttentionParams good = params_of(Config{1, 16, 2, 1, 64});
+  const cuda::FlashTensors t = probe_tensors(buffer, stats);
+  EXPECT_TRUE(cuda::flash_backward_hopper_serves(good, t));
+  cuda::AttentionParams packed = good;
+  packed.segments = static_cast<const int32_t*>(segments.tensor().data);
+  EXPECT_TRUE(cuda::flash_backward_hopper_serves(packed, t));
+  cuda::AttentionParams d96 = good;
+  d96.head_dim = 96;
+  EXPECT_FALSE(cuda::launch_flash_backward_hopper(d96, t, nullptr));
+  cuda::AttentionParams uneven = good;
+  uneven.n_heads = 3;
+  uneven.n_kv_heads = 2;
+  EXPECT_FALSE(cuda::launch_flash_backward_hopper(uneven, t, nullptr));
+  cuda::FlashTensors f32 = t;
+  f32.q_type = f32.k_type = f32.v_type = f32.d_out_type = f32.dk_type = f32.dv_type = DType::f32;
+  EXPECT_FALSE(cuda::launch_flash_backward_hopper(good, f32, nullptr));
+  cuda::FlashTensors mixed = t;
+  mixed.dk_type = DType::f16;
+  EXPECT_FALSE(cuda::launch_flash_backward_hopper(good, mixed, nullptr));
+  cuda::FlashTensors misaligned = t;
+  misaligned.k = static_cast<const uint8_t*>(t.k) + 2;
+  EXPECT_FALSE(cuda::launch_flash_backward_hopper(good, misaligned, nullptr));
+  cuda::FlashTensors misaligned_accum = t;
+  misaligned_accum.dq_accum = t.dq_accum + 1;
+  EXPECT_FALSE(cuda::launch_flash_backward_hopper(good, misaligned_accum, nullptr));
+  cuda::FlashTensors no_delta = t;
+  no_delta.delta = nullptr;
+  EXPECT_FALSE(cuda::launch_flash_backward_hopper(good, no_delta, nullptr));
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+
+  // head_dim 96 through the backend with the Hopper backward on: the generic kernels, right.
+  const Config c{1, 77, 4, 2, 96};
+  const AttentionDims dims = test::attention_dims_of(c);
+  const HostTensor hq = random_tensor(DType::bf16, Shape{c.seq, c.heads * c.head_dim}, rng_, -1.5, 1.5);
+  const HostTensor hk = random_tensor(DType::bf16, Shape{c.seq, c.kv_heads * c.head_dim}, rng_, -1.5, 1.5);
+  const HostTensor hv = random_tensor(DType::bf16, Shape{c.seq, c.kv_heads * c.head_dim}, rng_);
+  const HostTensor hdo = random_tensor(DType::bf16, Shape{c.seq, c.heads * c.head_dim}, rng_);
+  const Shape rows{c.heads * c.seq};
+  HostTensor cpu_out(DType::bf16, hq.shape), cpu_lse(DType::f32, rows), cpu_delta(DType::f32, rows);
+  HostTensor cpu_dq(DType::bf16, hq.shape), cpu_dk(DType::bf16, hk.shape), cpu_dv(DType::bf16, hk.shape);
+  HostTensor cpu_dq_accum(DType::f32, hq.shape);
+  cpu().attention_flash_forward(cpu_out, cpu_lse, hq, hk, hv, Tensor{}, dims);
+  cpu().attention_flash_backward(cpu_dq, cpu_dk, cpu_dv, cpu_delta, cpu_dq_accum, hdo, cpu_out, cpu_lse, hq, hk, hv,
+                                 Tensor{}, dims);
+  DeviceTensor q = upload(hq), k = upload(hk), v = upload(hv), d_out = upload(hdo);
+  DeviceTensor out = upload(cpu_out), lse = upload(cpu_lse);
+  const Gradients g = backend_backward(true, DType::bf16, c, d_out, out, lse, q, k, v);
+  expect_close("d96 dq", g.dq, cpu_dq.floats(), storage_tolerance(DType::bf16));
+  expect_close("d96 dk", g.dk, cpu_dk.floats(), storage_tolerance(DType::bf16));
+  expect_close("d96 dv", g.dv, cpu_dv.floats(), storage_tolerance(DType::bf16));
+}
+
+// A timing print, not a test (its only assertions: the Hopper backward's gradients agree with
+// backward v2's): the backend's flash backward with the Hopper main pass and with backward v2's
+// (both with the same D and dQ-rounding passes), the Hopper main pass alone, and in builds with
+// cuDNN cuDNN's backward, at the shapes of CudnnAttentionTest.TimingPrintCudnnVsFlash, causal,
+// 32/8 heads, bf16. TFLOP/s with FA2's causal count: the backward is 2.5x the forward's 4 * pairs *
+// head_dim (5 GEMMs to 2).
+TEST_F(CudaHopperBackwardTest, TimingPrintHopperBackward) {
+  for (const Config c : {Config{8, 2048, 32, 8, 128}, Config{2, 8192, 32, 8, 128}, Config{1, 32768, 32, 8, 128},
+                         Config{8, 2048, 32, 8, 64}}) {
+    const AttentionDims dims = test::attention_dims_of(c);
+    const int64_t n = c.batch * c.seq;
+    const Shape q_shape{n, c.heads * c.head_dim}, kv_shape{n, c.kv_heads * c.head_dim}, rows{c.batch * c.heads * c.seq};
+    DeviceTensor q(gpu(), DType::bf16, q_shape), k(gpu(), DType::bf16, kv_shape), v(gpu(), DType::bf16, kv_shape);
+    DeviceTensor d_out(gpu(), DType::bf16, q_shape);
+    // Scores of a few units, as the other timing tests: q and k uniform in [-1.5, 1.5).
+    gpu().fill_random(q, Backend::Distribution::uniform, -1.5f, 1.5f, 21);
+    gpu().fill_random(k, Backend::Distribution::uniform, -1.5f, 1.5f, 22);
+    gpu().fill_random(v, Backend::Distribution::uniform, -1.0f, 1.0f, 23);
+    gpu().fill_random(d_out, Backend::Distribution::uniform, -1.0f, 1.0f, 24);
+    const Tensor none;
+    DeviceTensor out(gpu(), DType::bf16, q_shape), lse(gpu(), DType::f32, rows);
+    gpu().attention_flash_forward(out, lse, q, k, v, none, dims);
+    DeviceTensor dq(gpu(), DType::bf16, q_shape), dk(gpu(), DType::bf16, kv_shape), dv(gpu(), DType::bf16, kv_shape);
+    DeviceTensor v2_dq(gpu(), DType::bf16, q_shape), v2_dk(gpu(), DType::bf16, kv_shape);
+    DeviceTensor v2_dv(gpu(), DType::bf16, kv_shape);
+    DeviceTensor delta(gpu(), DType::f32, rows), dq_accum(gpu(), DType::f32, q_shape);
+    const cuda::FlashTensors t =
+        cuda::flash_backward_tensors(dq, dk, dv, delta, dq_accum, d_out, out, lse, q, k, v);
+    ASSERT_TRUE(cuda::flash_backward_hopper_serves(params_of(c), t)) << label(c, DType::bf16);
+
+    auto time_ms = [](const std::function<void()>& run) { return median_event_ms(run, 3); };
+    double hopper = 0.0, v2 = 0.0;
+    {
+      const FlashVersionsScope on(versions_with_hopper_backward(true));
+      hopper = time_ms([&] {
+        gpu().attention_flash_backward(dq, dk, dv, delta, dq_accum, d_out, out, lse, q, k, v, none, dims);
+      });
+    }
+    // The main pass alone, on the D and the (now dirty) accumulator of the last run: same work.
+    const double main_pass = time_ms([&] { cuda::launch_flash_backward_hopper(params_of(c), t, nullptr); });
+    {
+      const FlashVersionsScope off(versions_with_hopper_backward(false));
+      v2 = time_ms([&] {
+        gpu().attention_flash_backward(v2_dq, v2_dk, v2_dv, delta, dq_accum, d_out, out, lse, q, k, v, none, dims);
+      });
+    }
+    // The Hopper gradients again (the main-pass timing wrote dk and dv again, identically, but
+    // left dq_accum summed many times; dq itself is from the last backend run).
+    {
+      const FlashVersionsScope on(versions_with_hopper_backward(true));
+      gpu().attention_flash_backward(dq, dk, dv, delta, dq_accum, d_out, out, lse, q, k, v, none, dims);
+    }
+    double cudnn = 0.0;
+    if (cudnn_attention_available()) {
+      DeviceTensor workspace(gpu(), DType::f32, Shape{std::max<int64_t>(1, cudnn_attention_workspace_floats(dims, true))});
+      DeviceTensor cudnn_dq(gpu(), DType::bf16, q_shape), cudnn_dk(gpu(), DType::bf16, kv_shape);
+      DeviceTensor cudnn_dv(gpu(), DType::bf16, kv_shape), cudnn_delta(gpu(), DType::f32, rows);
+      cudnn = time_ms([&] {
+        gpu().attention_cudnn_backward(cudnn_dq, cudnn_dk, cudnn_dv, cudnn_delta, workspace, d_out, out, lse, q, k, v,
+                                       none, RaggedAttention{}, dims);
+      });
+    }
+    const double pairs = static_cast<double>(c.batch) * c.heads * c.seq * c.seq / 2.0;
+    const double flops = 2.5 * 4.0 * pairs * c.head_dim;
+    auto tflops = [&](double ms) { return flops / (ms * 1e-3) / 1e12; };
+    std::printf("TIMING attention backward %s causal (median of 7):\n", label(c, DType::bf16).c_str());
+    std::printf("  hopper (wgmma+TMA)    %8.3f ms %7.1f TFLOP/s\n", hopper, tflops(hopper));
+    std::printf("  hopper main pass only %8.3f ms %7.1f TFLOP/s\n", main_pass, tflops(main_pass));
+    std::printf("  v2 (mma.sync)         %8.3f ms %7.1f TFLOP/s\n", v2, tflops(v2));
+    if (cudnn > 0.0) std::printf("  cudnn                 %8.3f ms %7.1f TFLOP/s\n", cudnn, tflops(cudnn));
+
+    bool finite_dq = false, finite_dk = false, finite_dv = false;
+    const double dq_error = relative_error(dq.floats(), v2_dq.floats(), finite_dq);
+    const double dk_error = relative_error(dk.floats(), v2_dk.floats(), finite_dk);
+    const double dv_error = relative_error(dv.floats(), v2_dv.floats(), finite_dv);
+    std::printf("  hopper vs v2: dq %.2e, dk %.2e, dv %.2e (relative norm)\n", dq_error, dk_error, dv_error);
+    EXPECT_TRUE(finite_dq && finite_dk && finite_dv) << label(c, DType::bf16);
+    EXPECT_LT(dq_error, storage_tolerance(DType::bf16)) << label(c, DType::bf16);
+    EXPECT_LT(dk_error, storage_tolerance(DType::bf16)) << label(c, DType::bf16);
+    EXPECT_LT(dv_error, storage_tolerance(DType::bf16)) << label(c, DType::bf16);
+    EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+  }
+}
+
+}  // namespace
+}  // namespace memtune::gputest
