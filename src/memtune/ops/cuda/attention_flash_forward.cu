@@ -441,7 +441,10 @@ __global__ void __launch_bounds__(kThreads, 2)
   }
 
   // Epilogue. Only this warp ever read its 32 Q rows in shared memory, so it may overwrite them
-  // with its O rows (no block barrier) and store them to global memory in 16-byte pieces.
+  // with its O rows (no block barrier) and store them to global memory in 16-byte pieces. A lane
+  // writes rows that other lanes' addresses fed to ldmatrix: the warp barrier orders those reads
+  // before these writes (compute-sanitizer racecheck reported the pair without it).
+  __syncwarp();
 #pragma unroll
   for (int mt = 0; mt < kFwdTiles; ++mt) {
     const int row_a = warp_row0 + mt * 16 + group_id, row_b = row_a + 8;
