@@ -149,6 +149,7 @@ def collect(root):
                 run = mc.get("run") or {}
                 key = (label, f"cap {mc.get('cap_gib'):g} GiB")
                 figure = {"seq": mc.get("max_seq"), "range": mc.get("range"), "probes": mc.get("probes") or [],
+                          "probe_steps": mc.get("probe_steps") or 1, "run_timed_steps": run.get("timed_steps"),
                           "run_error": None if run.get("measured") or not mc.get("max_seq") else run.get("error"),
                           "tokens_per_second": run.get("tokens_per_second") if run.get("measured") else None,
                           "device_peak_bytes": run.get("device_peak_bytes"), "source": path}
@@ -223,8 +224,13 @@ def context_table(group):
             probes = f.get("probes") or []
             fits = sorted(p["seq"] for p in probes if p.get("fits"))
             fails = sorted(p["seq"] for p in probes if not p.get("fits"))
+            # A one-step probe that is also the timed run: its figure holds its warm-up, and one step
+            # says less than the steady state (the optimizer's state is allocated in that step).
+            steps = f.get("probe_steps") or 1
+            ran = ("a step ran (one step, timed with its warm-up)" if steps == 1 and f.get("run_timed_steps") == 1
+                   else "a step ran" if steps == 1 else f"{steps} steps ran")
             searched = ("bisection in " + " and ".join(f"[{r[0]}, {r[1]}]" for r in ranges)
-                        + (f"; a step ran at {', '.join(map(str, fits))}" if fits else "")
+                        + (f"; {ran} at {', '.join(map(str, fits))}" if fits else "")
                         + (f"; out of memory at {', '.join(map(str, fails))}" if fails else ""))
         seq = f.get("seq")
         if not seq:

@@ -101,6 +101,25 @@ class PeersTableTest(unittest.TestCase):
                       "bisection in [8192, 40960] and [32768, 49152]; a step ran at 16384, 49152; "
                       "out of memory at 24576 | 3,000 |", ctx)
 
+    def test_probes_that_are_the_timed_run(self):
+        # The current search: each probe runs the timed steps; a one-step probe is its own timed run.
+        for cap, probe_steps, timed, words in ((80, 1, 1, "a step ran (one step, timed with its warm-up)"),
+                                               (79, 2, 1, "2 steps ran")):
+            report = {"tool": "unsloth", "peer": "unsloth 2026.10.9", "device": "NVIDIA H100 80GB HBM3",
+                      "config": {}, "rungs": [],
+                      "max_context": {"cap_gib": cap, "range": [131072, 163840], "max_seq": 147456,
+                                      "probe_steps": probe_steps,
+                                      "probes": [{"seq": 147456, "fits": True}, {"seq": 163840, "fits": False}],
+                                      "run": {"measured": True, "tokens_per_second": 1500.0, "timed_steps": timed,
+                                              "device_peak_bytes": 70 * 2**30}}}
+            write(f"{self.tmp.name}/call9/unsloth-context-{cap}.json", json.dumps(report))
+        rows, _, _ = peers_table.collect(self.tmp.name)
+        ctx = peers_table.context_table(rows["4"])
+        self.assertIn("| cap 80 GiB | 147456 | bisection in [131072, 163840]; a step ran (one step, timed with its "
+                      "warm-up) at 147456; out of memory at 163840 | 1,500 |", ctx)
+        self.assertIn("| cap 79 GiB | 147456 | bisection in [131072, 163840]; 2 steps ran at 147456; out of memory "
+                      "at 163840 | 1,500 |", ctx)
+
 
 if __name__ == "__main__":
     unittest.main()
