@@ -16,6 +16,7 @@
 #include "flash_versions_scope.h"
 #include "gpu_test_util.h"
 #include "gpu_timing.h"
+#include "hopper_attention_cases.h"
 #include "memtune/ops/cuda/attention_flash.h"
 #include "memtune/ops/cuda/attention_flash_args.h"
 #include "memtune/ops/cuda/attention_hopper.h"
@@ -27,28 +28,10 @@ namespace {
 
 using optest::random_tensor;
 
-struct Config {
-  int64_t batch, seq, heads, kv_heads, head_dim;
-};
-
-std::string label(const Config& c, DType type) {
-  return "b" + std::to_string(c.batch) + " s" + std::to_string(c.seq) + " h" + std::to_string(c.heads) + "/" +
-         std::to_string(c.kv_heads) + " d" + std::to_string(c.head_dim) + " " + optest::dtype_label(type);
-}
-
-// ||a - b|| / ||b|| in double over two equally long arrays (the large shapes hold 32M values a
-// tensor: expect_close's double copies would take longer than the kernels); `finite` says whether
-// every value of a is finite.
-double relative_error(const std::vector<float>& a, const std::vector<float>& b, bool& finite) {
-  double difference = 0.0, norm = 0.0;
-  finite = a.size() == b.size();
-  for (size_t i = 0; i < a.size() && i < b.size(); ++i) {
-    finite = finite && std::isfinite(a[i]);
-    difference += (static_cast<double>(a[i]) - b[i]) * (static_cast<double>(a[i]) - b[i]);
-    norm += static_cast<double>(b[i]) * b[i];
-  }
-  return norm > 0.0 ? std::sqrt(difference / norm) : std::sqrt(difference);
-}
+using hopper::Config;
+using hopper::label;
+using hopper::relative_error;
+using hopper::segment_ids;
 
 // The current flash versions with the Hopper backward turned on or off.
 cuda::FlashVersions versions_with_hopper_backward(bool on) {
@@ -66,13 +49,8 @@ class CudaHopperBackwardTest : public CudaTest {
   void SetUp() override {
     CudaTest::SetUp();
     if (IsSkipped()) return;
-    int device = 0, major = 0, minor = 0;
-    ASSERT_EQ(cudaGetDevice(&device), cudaSuccess);
-    ASSERT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), cudaSuccess);
-    ASSERT_EQ(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device), cudaSuccess);
-    if (major != 9 || minor != 0)
-      GTEST_SKIP() << "compute capability " << major << "." << minor
-                   << ": the Hopper (sm_90a) attention backward needs 9.0; skipped";
+    if (const std::string reason = hopper::hopper_device_skip_reason(); !reason.empty())
+      GTEST_SKIP() << reason << "; skipped";
     // A shape it serves: false only where the binary lacks the sm_90a kernel.
     DeviceTensor probe(gpu(), DType::bf16, Shape{64});
     DeviceTensor stats(gpu(), DType::f32, Shape{64});
@@ -210,42 +188,13 @@ TEST_F(CudaHopperBackwardTest, BackendBackwardMatchesV2AtOddShapes) {
   EXPECT_EQ(cudaGetLastError(), cudaSuccess);
 }
 
-// Packed rows: each batch row's runs of equal segment ids, as (tokens, id) in order.
-struct IdRun {
-  int64_t tokens;
-  int32_t id;
-};
-
-HostTensor segment_ids(const Config& c, const std::vector<std::vector<IdRun>>& rows) {
-  EXPECT_EQ(rows.size(), static_cast<size_t>(c.batch));
-  std::vector<int32_t> ids;
-  for (size_t r = 0; r < rows.size(); ++r) {
-    for (const IdRun& run : rows[r]) ids.insert(ids.end(), static_cast<size_t>(run.tokens), run.id);
-    EXPECT_EQ(ids.size(), static_cast<size_t>(c.seq) * (r + 1)) << "row " << r << "'s runs must fill seq";
-  }
-  return optest::i32_tensor(Shape{c.batch * c.seq}, ids);
-}
-
 // The Hopper backward on packed rows against the CPU backend's flash backward with the same ids
 // (the CPU forward's out and lse, uploaded), and against backward v2 on the device. The rows, as
 // for the Hopper forward's packed test: a one-token sample and samples across the 128-key blocks;
 // ids that come back after others, ids that fall; a last token whose id is the first token's (the
 // first key block's query loop must run to the row's end); every token its own sample; one sample.
 TEST_F(CudaHopperBackwardTest, PackedRowsMatchCpu) {
-  struct Case {
-    Config config;
-    std::vector<std::vector<IdRun>> rows;
-  };
-  std::vector<IdRun> own_ids;  // 300 samples of one token
-  for (int32_t i = 0; i < 300; ++i) own_ids.push_back(IdRun{1, i});
-  const Case cases[] = {
-      {{1, 2600, 2, 1, 128}, {{{700, 0}, {1, 1}, {1299, 2}, {600, 3}}}},
-      {{1, 2600, 4, 2, 64}, {{{700, 0}, {1, 1}, {1299, 2}, {600, 3}}}},
-      {{2, 1337, 4, 1, 128}, {{{300, 0}, {200, 1}, {400, 0}, {437, 2}}, {{1, 5}, {500, 7}, {1, 5}, {835, 7}}}},
-      {{3, 777, 2, 2, 64}, {{{100, 9}, {300, 4}, {377, -2}}, {{777, 0}}, {{129, 3}, {129, 2}, {129, 3}, {390, 1}}}},
-      {{1, 1000, 2, 1, 64}, {{{1, 0}, {998, 1}, {1, 0}}}},
-      {{1, 300, 8, 2, 128}, {own_ids}}};
-  for (const Case& test_case : cases)
+  for (const hopper::PackedCase& test_case : hopper::packed_cases())
     for (const DType type : {DType::bf16, DType::f16}) {
       const Config& c = test_case.config;
       SCOPED_TRACE("packed " + label(c, type));
