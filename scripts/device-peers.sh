@@ -23,7 +23,7 @@
 #         memtune's edge without activation offload (1 step), then Unsloth at that length (1 step)
 #     g   configuration 4 under the large cap for transformers + PEFT and Liger
 #     h   configurations 1-3 for all four tools in one call
-#     k   issue 23: the attention GPU tests, compute-sanitizer on the Hopper forward's, PyTorch SDPA
+#     k   issue 23: the attention GPU tests, compute-sanitizer on the Hopper kernels', PyTorch SDPA
 #     ab  a kernel change's call: the whole GPU test suite (TEST_FILTER, default all) and compute-sanitizer
 #         (AB_PARTS, default tests,sanitizer), then memtune's
 #         configurations 1 and 3 (AB_CONFIGS) with BIN_DIR and with BASE_BIN_DIR (required)
@@ -125,11 +125,13 @@ case "$CALL" in
       PROBE_TIMEOUT=250 PEER_ARGS="--liger" check "$BIN_DIR" peer-context
     ;;
   k)
-    # Issue 23's call: the attention GPU tests (own kernels, Hopper forward, cuDNN; their timing lines
-    # are the table's memtune columns), compute-sanitizer on the Hopper forward's tests, and PyTorch
-    # SDPA (flash, cuDNN) on the same shapes.
-    GTEST_FILTER=${TEST_FILTER:-'CudaHopperAttentionTest.*:CudaAttentionTest.*:CudnnAttentionTest.*:CudnnRaggedTest.*:CudaStepTest.WholeStepsAtTensorCoreHeadDimsMatchTheCpu'} \
-      TEST_TIMEOUT=${TEST_TIMEOUT:-200} check "$BIN_DIR" tests,sanitizer-tests,sdpa
+    # Issue 23's call: the attention GPU tests (own kernels, the Hopper forward and backward, cuDNN;
+    # their timing lines are the table's memtune columns), compute-sanitizer on the Hopper kernels'
+    # correctness tests, and PyTorch SDPA (flash, cuDNN) on the same shapes.
+    GTEST_FILTER=${TEST_FILTER:-'CudaHopperAttentionTest.*:CudaHopperBackwardTest.*:CudaAttentionTest.*:CudnnAttentionTest.*:CudnnRaggedTest.*:CudaStepTest.WholeStepsAtTensorCoreHeadDimsMatchTheCpu'} \
+      TEST_TIMEOUT=${TEST_TIMEOUT:-240} SANITIZER_TIMEOUT=${SANITIZER_TIMEOUT:-190} \
+      SANITIZER_FILTER=${SANITIZER_FILTER:-'CudaHopperAttentionTest.ForwardMatchesCpuAndFeedsTheBackward:CudaHopperAttentionTest.PackedRowsMatchCpu:CudaHopperBackwardTest.PackedRowsMatchCpu'} \
+      check "$BIN_DIR" tests,sanitizer-tests,sdpa
     ;;
   h)
     # Configurations 1-3 for all four tools in one call: memtune's variants, Unsloth (1, 3 and its
