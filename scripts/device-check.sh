@@ -24,6 +24,8 @@
 #                  --offload_activations --offload_embeddings under --vram 24GiB for LONG_STEPS
 #                  (default 3) steps, device peak sampled by nvidia-smi, host memory from the
 #                  plan and the process's max RSS; then `memtune fit --max-context` for 24 and 80 GiB
+#                  (LONG_VRAM: another budget than 24GiB; LONG_FIT_BUDGETS: the fits' budgets; LONG_ATTN:
+#                  the attention, default flash)
 #       unsloth    bench/peer_unsloth.py (issue 21): the ladder's 16-bit LoRA (flash) and QLoRA rungs
 #                  at its shape (configurations 3 and 1), random ids; writes the random-weight 8B folder
 #                  first (UNSLOTH_MODEL_DIR, outside $WORK; reused by the other unsloth parts)
@@ -332,7 +334,7 @@ fi
 if has_part longctx; then
   stamp longctx
   L="$WORK/longctx"; mkdir -p "$L"
-  for budget in 24GiB 80GiB; do
+  for budget in ${LONG_FIT_BUDGETS:-24GiB 80GiB}; do
     "$BIN_DIR/memtune" fit --model llama-3.1-8b --vram "$budget" --max-context --json > "$L/fit-$budget.json" 2>&1
     echo "fit --max-context --vram $budget:"; cat "$L/fit-$budget.json"
   done
@@ -341,9 +343,9 @@ if has_part longctx; then
   SAMPLER=$!
   TIMER=(); [ -x /usr/bin/time ] && TIMER=(/usr/bin/time -v)  # max RSS, where installed
   "${TIMER[@]}" timeout "${LONG_TIMEOUT:-480}" "$BIN_DIR/memtune" train --device cuda --model llama-3.1-8b \
-    --load_in_4bit --bf16 --gradient_checkpointing --attn_implementation flash --loss_implementation chunked \
+    --load_in_4bit --bf16 --gradient_checkpointing --attn_implementation "${LONG_ATTN:-flash}" --loss_implementation chunked \
     --offload_activations --offload_embeddings --batch 1 --accum 1 --seq "$LONG_SEQ" \
-    --max_steps "${LONG_STEPS:-3}" --vram 24GiB --metrics "$L/metrics.jsonl" --out "$L/out" > "$L/train.log" 2>&1
+    --max_steps "${LONG_STEPS:-3}" --vram "${LONG_VRAM:-24GiB}" --metrics "$L/metrics.jsonl" --out "$L/out" > "$L/train.log" 2>&1
   rc=$?
   kill $SAMPLER 2>/dev/null; wait $SAMPLER 2>/dev/null
   echo "longctx train seq $LONG_SEQ exit $rc; device peak (nvidia-smi max of $(wc -l < "$L/smi.log") samples): $(sort -n "$L/smi.log" | tail -1) MiB; idle before: $(head -1 "$L/smi.log") MiB"

@@ -24,6 +24,8 @@
 #     g   configuration 4 under the large cap for transformers + PEFT and Liger
 #     h   configurations 1-3 for all four tools in one call
 #     k   issue 23: the attention GPU tests, compute-sanitizer on the Hopper kernels', PyTorch SDPA
+#     l   configuration 4 under the large cap past memtune's no-offload edge (LONG_SEQ): memtune with
+#         activation offload (L_PART=memtune) or Unsloth's one-step probe (L_PART=unsloth)
 #     ab  a kernel change's call: the whole GPU test suite (TEST_FILTER, default all) and compute-sanitizer
 #         (AB_PARTS, default tests,sanitizer), then memtune's
 #         configurations 1 and 3 (AB_CONFIGS) with BIN_DIR and with BASE_BIN_DIR (required)
@@ -31,7 +33,7 @@
 #   BIN_DIR  prepare-devbin.sh's folder (default .devbin); carry it and .whl.
 # Each call reuses nothing of another: each can run on a fresh machine.
 set -u
-CALL=${1:?usage: scripts/device-peers.sh a|b|c|d|e|f|g|h|k|ab [BIN_DIR]}
+CALL=${1:?usage: scripts/device-peers.sh a|b|c|d|e|f|g|h|k|l|ab [BIN_DIR]}
 BIN_DIR=${2:-.devbin}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-/tmp/memtune-device-check}
@@ -145,6 +147,19 @@ case "$CALL" in
     PEER_DATA_MEMTUNE=0 PEER_DATA_PACKED=0 DATA_TIMEOUT=100 PEER_ARGS="$C2" check "$BIN_DIR" peer-data
     PEER_DATA_MEMTUNE=0 PEER_DATA_PACKED=0 DATA_TIMEOUT=100 PEER_ARGS="$C2 --liger" check "$BIN_DIR" peer-data
     ;;
+  l)
+    # Configuration 4 under the large cap past memtune's no-offload edge: memtune with activation
+    # offload trained LONG_SEQ tokens (default 327,680; one step, minutes) under --vram BIG_CAP GiB
+    # (L_PART=memtune), or Unsloth's one-step probe at the same length (L_PART=unsloth): one call each.
+    BIG_CAP=${BIG_CAP:-80}; LONG_SEQ=${LONG_SEQ:-327680}
+    if [ "${L_PART:-memtune}" = memtune ]; then
+      LONG_SEQ=$LONG_SEQ LONG_VRAM=${BIG_CAP}GiB LONG_FIT_BUDGETS=${BIG_CAP}GiB LONG_STEPS=1 LONG_ATTN=auto \
+        LONG_TIMEOUT=${LONG_TIMEOUT:-540} check "$BIN_DIR" longctx
+    else
+      CONTEXT_CAPS=$BIG_CAP CONTEXT_MIN=$LONG_SEQ CONTEXT_MAX=$LONG_SEQ CONTEXT_UNIT=$LONG_SEQ CONTEXT_STEPS=0 \
+        CONTEXT_TIMEOUT=${CONTEXT_TIMEOUT:-560} PROBE_TIMEOUT=${PROBE_TIMEOUT:-540} check "$BIN_DIR" unsloth-context
+    fi
+    ;;
   ab)
     : "${BASE_BIN_DIR:?device-peers ab: set BASE_BIN_DIR to the binaries to compare against}"
     AB_PARTS=${AB_PARTS:-tests,sanitizer}  # "-": only the A/B (the tests ran in a call before)
@@ -154,6 +169,6 @@ case "$CALL" in
       CONFIGS=${AB_CONFIGS:-qlora,lora16} CONFIG_STEPS=6 check "$BASE_BIN_DIR" configs
     done
     ;;
-  *) echo "device-peers: unknown call $CALL (a, b, c, d, e, f, g, h, k or ab)" >&2; exit 2 ;;
+  *) echo "device-peers: unknown call $CALL (a, b, c, d, e, f, g, h, k, l or ab)" >&2; exit 2 ;;
 esac
 echo "== $(date -u +%T) done" | tee -a "$OUT/dates.txt"
