@@ -1,16 +1,19 @@
 // What the Hopper attention tests (test_cuda_hopper_attention.cpp, forward; test_cuda_hopper_
 // backward.cpp, backward) share: the shape of a case and its label, a relative error over large
-// arrays, whether this device and build run the sm_90a kernels, and the packed-row cases (runs of
-// segment ids) that both kernels are held to.
+// arrays, whether this device and build run the sm_90a kernels, a case's random inputs with the CPU
+// backend's forward and backward on them, and the packed-row cases (runs of segment ids) that both
+// kernels are held to.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cmath>
+#include <random>
 #include <string>
 #include <vector>
 
 #include "gpu_test_util.h"
+#include "../support/attention_setup.h"
 
 namespace memtune::gputest::hopper {
 
@@ -48,6 +51,36 @@ inline std::string hopper_device_skip_reason() {
   if (major == 9 && minor == 0) return "";
   return "compute capability " + std::to_string(major) + "." + std::to_string(minor) +
          ": the Hopper (sm_90a) attention kernels need 9.0";
+}
+
+// A case's 16-bit inputs (q and k uniform in [-1.5, 1.5): scores of a few units; v and dO in
+// [-1, 1)) and the CPU backend's flash forward and backward on them, the reference the GPU kernels
+// are held to; `segments` (host ids, or none) packs the rows.
+struct CpuAttention {
+  HostTensor q, k, v, d_out;
+  HostTensor out, lse, dq, dk, dv;
+};
+
+inline CpuAttention cpu_attention(Backend& cpu, std::mt19937_64& rng, const Config& c, DType type,
+                                  const Tensor& segments = Tensor{}) {
+  const AttentionDims dims = test::attention_dims_of(c);
+  const int64_t n = c.batch * c.seq;
+  const Shape q_shape{n, c.heads * c.head_dim}, kv_shape{n, c.kv_heads * c.head_dim}, rows{c.batch * c.heads * c.seq};
+  CpuAttention a;
+  a.q = optest::random_tensor(type, q_shape, rng, -1.5, 1.5);
+  a.k = optest::random_tensor(type, kv_shape, rng, -1.5, 1.5);
+  a.v = optest::random_tensor(type, kv_shape, rng);
+  a.d_out = optest::random_tensor(type, q_shape, rng);
+  a.out = HostTensor(type, q_shape);
+  a.lse = HostTensor(DType::f32, rows);
+  a.dq = HostTensor(type, q_shape);
+  a.dk = HostTensor(type, kv_shape);
+  a.dv = HostTensor(type, kv_shape);
+  HostTensor delta(DType::f32, rows), dq_accum(DType::f32, q_shape);
+  cpu.attention_flash_forward(a.out, a.lse, a.q, a.k, a.v, segments, dims);
+  cpu.attention_flash_backward(a.dq, a.dk, a.dv, delta, dq_accum, a.d_out, a.out, a.lse, a.q, a.k, a.v, segments,
+                               dims);
+  return a;
 }
 
 // Packed rows: each batch row's runs of equal segment ids, as (tokens, id) in order.

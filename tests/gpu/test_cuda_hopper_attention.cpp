@@ -24,8 +24,6 @@
 namespace memtune::gputest {
 namespace {
 
-using optest::random_tensor;
-
 using hopper::Config;
 using hopper::label;
 using hopper::relative_error;
@@ -61,34 +59,23 @@ TEST_F(CudaHopperAttentionTest, ForwardMatchesCpuAndFeedsTheBackward) {
     for (DType type : {DType::bf16, DType::f16}) {
       SCOPED_TRACE(label(c, type));
       const AttentionDims dims = test::attention_dims_of(c);
-      const int64_t n = c.batch * c.seq;
-      const HostTensor hq = random_tensor(type, Shape{n, c.heads * c.head_dim}, rng_, -1.5, 1.5);
-      const HostTensor hk = random_tensor(type, Shape{n, c.kv_heads * c.head_dim}, rng_, -1.5, 1.5);
-      const HostTensor hv = random_tensor(type, Shape{n, c.kv_heads * c.head_dim}, rng_);
-      const HostTensor hdo = random_tensor(type, Shape{n, c.heads * c.head_dim}, rng_);
       const Shape rows{c.batch * c.heads * c.seq};
+      const hopper::CpuAttention ref = hopper::cpu_attention(cpu(), rng_, c, type);
 
-      HostTensor cpu_out(type, hq.shape), cpu_lse(DType::f32, rows), cpu_delta(DType::f32, rows);
-      HostTensor cpu_dq(type, hq.shape), cpu_dk(type, hk.shape), cpu_dv(type, hk.shape);
-      HostTensor cpu_dq_accum(DType::f32, hq.shape);
-      cpu().attention_flash_forward(cpu_out, cpu_lse, hq, hk, hv, Tensor{}, dims);
-      cpu().attention_flash_backward(cpu_dq, cpu_dk, cpu_dv, cpu_delta, cpu_dq_accum, hdo, cpu_out, cpu_lse, hq, hk,
-                                     hv, Tensor{}, dims);
-
-      DeviceTensor q = upload(hq), k = upload(hk), v = upload(hv), d_out = upload(hdo);
-      DeviceTensor out = poisoned(type, hq.shape), lse = poisoned(DType::f32, rows);
+      DeviceTensor q = upload(ref.q), k = upload(ref.k), v = upload(ref.v), d_out = upload(ref.d_out);
+      DeviceTensor out = poisoned(type, ref.q.shape), lse = poisoned(DType::f32, rows);
       ASSERT_TRUE(
           cuda::launch_flash_forward_hopper(params_of(c), cuda::flash_forward_tensors(out, lse, q, k, v), nullptr));
       ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-      expect_close("hopper out", out.floats(), cpu_out.floats(), storage_tolerance(type));
-      expect_close("hopper lse", lse.floats(), cpu_lse.floats(), 1e-4);
+      expect_close("hopper out", out.floats(), ref.out.floats(), storage_tolerance(type));
+      expect_close("hopper lse", lse.floats(), ref.lse.floats(), 1e-4);
 
-      DeviceTensor dq = poisoned(type, hq.shape), dk = poisoned(type, hk.shape), dv = poisoned(type, hk.shape);
-      DeviceTensor delta = poisoned(DType::f32, rows), dq_accum = poisoned(DType::f32, hq.shape);
+      DeviceTensor dq = poisoned(type, ref.q.shape), dk = poisoned(type, ref.k.shape), dv = poisoned(type, ref.k.shape);
+      DeviceTensor delta = poisoned(DType::f32, rows), dq_accum = poisoned(DType::f32, ref.q.shape);
       gpu().attention_flash_backward(dq, dk, dv, delta, dq_accum, d_out, out, lse, q, k, v, Tensor{}, dims);
-      expect_close("backward on hopper forward dq", dq.floats(), cpu_dq.floats(), storage_tolerance(type));
-      expect_close("backward on hopper forward dk", dk.floats(), cpu_dk.floats(), storage_tolerance(type));
-      expect_close("backward on hopper forward dv", dv.floats(), cpu_dv.floats(), storage_tolerance(type));
+      expect_close("backward on hopper forward dq", dq.floats(), ref.dq.floats(), storage_tolerance(type));
+      expect_close("backward on hopper forward dk", dk.floats(), ref.dk.floats(), storage_tolerance(type));
+      expect_close("backward on hopper forward dv", dv.floats(), ref.dv.floats(), storage_tolerance(type));
     }
 }
 
@@ -232,41 +219,31 @@ TEST_F(CudaHopperAttentionTest, PackedRowsMatchCpu) {
       const Config& c = test_case.config;
       SCOPED_TRACE("packed " + label(c, type));
       const AttentionDims dims = test::attention_dims_of(c);
-      const int64_t n = c.batch * c.seq;
-      const HostTensor hq = random_tensor(type, Shape{n, c.heads * c.head_dim}, rng_, -1.5, 1.5);
-      const HostTensor hk = random_tensor(type, Shape{n, c.kv_heads * c.head_dim}, rng_, -1.5, 1.5);
-      const HostTensor hv = random_tensor(type, Shape{n, c.kv_heads * c.head_dim}, rng_);
-      const HostTensor hdo = random_tensor(type, Shape{n, c.heads * c.head_dim}, rng_);
       const HostTensor hids = segment_ids(c, test_case.rows);
       const Shape rows{c.batch * c.heads * c.seq};
+      const hopper::CpuAttention ref = hopper::cpu_attention(cpu(), rng_, c, type, hids.tensor());
 
-      HostTensor cpu_out(type, hq.shape), cpu_lse(DType::f32, rows), cpu_delta(DType::f32, rows);
-      HostTensor cpu_dq(type, hq.shape), cpu_dk(type, hk.shape), cpu_dv(type, hk.shape);
-      HostTensor cpu_dq_accum(DType::f32, hq.shape);
-      cpu().attention_flash_forward(cpu_out, cpu_lse, hq, hk, hv, hids.tensor(), dims);
-      cpu().attention_flash_backward(cpu_dq, cpu_dk, cpu_dv, cpu_delta, cpu_dq_accum, hdo, cpu_out, cpu_lse, hq, hk,
-                                     hv, hids.tensor(), dims);
-
-      DeviceTensor q = upload(hq), k = upload(hk), v = upload(hv), d_out = upload(hdo), ids = upload(hids);
-      DeviceTensor out = poisoned(type, hq.shape), lse = poisoned(DType::f32, rows);
+      DeviceTensor q = upload(ref.q), k = upload(ref.k), v = upload(ref.v), d_out = upload(ref.d_out);
+      DeviceTensor ids = upload(hids);
+      DeviceTensor out = poisoned(type, ref.q.shape), lse = poisoned(DType::f32, rows);
       const cuda::AttentionParams p = cuda::attention_params_of(dims, ids);
       ASSERT_TRUE(cuda::launch_flash_forward_hopper(p, cuda::flash_forward_tensors(out, lse, q, k, v), nullptr));
       ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
       const std::vector<float> out_values = out.floats(), lse_values = lse.floats();
-      expect_close("hopper packed out", out_values, cpu_out.floats(), storage_tolerance(type));
-      expect_close("hopper packed lse", lse_values, cpu_lse.floats(), 1e-4);
+      expect_close("hopper packed out", out_values, ref.out.floats(), storage_tolerance(type));
+      expect_close("hopper packed lse", lse_values, ref.lse.floats(), 1e-4);
 
-      DeviceTensor backend_out = poisoned(type, hq.shape), backend_lse = poisoned(DType::f32, rows);
+      DeviceTensor backend_out = poisoned(type, ref.q.shape), backend_lse = poisoned(DType::f32, rows);
       gpu().attention_flash_forward(backend_out, backend_lse, q, k, v, ids, dims);
       EXPECT_TRUE(backend_out.floats() == out_values) << "the default forward is not the Hopper kernel";
       EXPECT_TRUE(backend_lse.floats() == lse_values) << "the default forward is not the Hopper kernel";
 
-      DeviceTensor dq = poisoned(type, hq.shape), dk = poisoned(type, hk.shape), dv = poisoned(type, hk.shape);
-      DeviceTensor delta = poisoned(DType::f32, rows), dq_accum = poisoned(DType::f32, hq.shape);
+      DeviceTensor dq = poisoned(type, ref.q.shape), dk = poisoned(type, ref.k.shape), dv = poisoned(type, ref.k.shape);
+      DeviceTensor delta = poisoned(DType::f32, rows), dq_accum = poisoned(DType::f32, ref.q.shape);
       gpu().attention_flash_backward(dq, dk, dv, delta, dq_accum, d_out, out, lse, q, k, v, ids, dims);
-      expect_close("backward on hopper packed forward dq", dq.floats(), cpu_dq.floats(), storage_tolerance(type));
-      expect_close("backward on hopper packed forward dk", dk.floats(), cpu_dk.floats(), storage_tolerance(type));
-      expect_close("backward on hopper packed forward dv", dv.floats(), cpu_dv.floats(), storage_tolerance(type));
+      expect_close("backward on hopper packed forward dq", dq.floats(), ref.dq.floats(), storage_tolerance(type));
+      expect_close("backward on hopper packed forward dk", dk.floats(), ref.dk.floats(), storage_tolerance(type));
+      expect_close("backward on hopper packed forward dv", dv.floats(), ref.dv.floats(), storage_tolerance(type));
     }
 }
 

@@ -100,26 +100,14 @@ TEST_F(CudaHopperBackwardTest, BackwardMatchesCpu) {
   for (const Config& c : configs)
     for (const DType type : {DType::bf16, DType::f16}) {
       SCOPED_TRACE(label(c, type));
-      const AttentionDims dims = test::attention_dims_of(c);
-      const int64_t n = c.batch * c.seq;
-      const HostTensor hq = random_tensor(type, Shape{n, c.heads * c.head_dim}, rng_, -1.5, 1.5);
-      const HostTensor hk = random_tensor(type, Shape{n, c.kv_heads * c.head_dim}, rng_, -1.5, 1.5);
-      const HostTensor hv = random_tensor(type, Shape{n, c.kv_heads * c.head_dim}, rng_);
-      const HostTensor hdo = random_tensor(type, Shape{n, c.heads * c.head_dim}, rng_);
-      const Shape rows{c.batch * c.heads * c.seq};
-      HostTensor cpu_out(type, hq.shape), cpu_lse(DType::f32, rows), cpu_delta(DType::f32, rows);
-      HostTensor cpu_dq(type, hq.shape), cpu_dk(type, hk.shape), cpu_dv(type, hk.shape);
-      HostTensor cpu_dq_accum(DType::f32, hq.shape);
-      cpu().attention_flash_forward(cpu_out, cpu_lse, hq, hk, hv, Tensor{}, dims);
-      cpu().attention_flash_backward(cpu_dq, cpu_dk, cpu_dv, cpu_delta, cpu_dq_accum, hdo, cpu_out, cpu_lse, hq, hk,
-                                     hv, Tensor{}, dims);
+      const hopper::CpuAttention ref = hopper::cpu_attention(cpu(), rng_, c, type);
 
-      DeviceTensor q = upload(hq), k = upload(hk), v = upload(hv), d_out = upload(hdo);
-      DeviceTensor out = upload(cpu_out), lse = upload(cpu_lse);
+      DeviceTensor q = upload(ref.q), k = upload(ref.k), v = upload(ref.v), d_out = upload(ref.d_out);
+      DeviceTensor out = upload(ref.out), lse = upload(ref.lse);
       const Gradients hopper = backend_backward(true, type, c, d_out, out, lse, q, k, v);
-      expect_close("hopper backward dq", hopper.dq, cpu_dq.floats(), storage_tolerance(type));
-      expect_close("hopper backward dk", hopper.dk, cpu_dk.floats(), storage_tolerance(type));
-      expect_close("hopper backward dv", hopper.dv, cpu_dv.floats(), storage_tolerance(type));
+      expect_close("hopper backward dq", hopper.dq, ref.dq.floats(), storage_tolerance(type));
+      expect_close("hopper backward dk", hopper.dk, ref.dk.floats(), storage_tolerance(type));
+      expect_close("hopper backward dv", hopper.dv, ref.dv.floats(), storage_tolerance(type));
     }
   EXPECT_EQ(cudaGetLastError(), cudaSuccess);
 }
@@ -198,33 +186,22 @@ TEST_F(CudaHopperBackwardTest, PackedRowsMatchCpu) {
     for (const DType type : {DType::bf16, DType::f16}) {
       const Config& c = test_case.config;
       SCOPED_TRACE("packed " + label(c, type));
-      const AttentionDims dims = test::attention_dims_of(c);
-      const int64_t n = c.batch * c.seq;
-      const HostTensor hq = random_tensor(type, Shape{n, c.heads * c.head_dim}, rng_, -1.5, 1.5);
-      const HostTensor hk = random_tensor(type, Shape{n, c.kv_heads * c.head_dim}, rng_, -1.5, 1.5);
-      const HostTensor hv = random_tensor(type, Shape{n, c.kv_heads * c.head_dim}, rng_);
-      const HostTensor hdo = random_tensor(type, Shape{n, c.heads * c.head_dim}, rng_);
       const HostTensor hids = segment_ids(c, test_case.rows);
-      const Shape rows{c.batch * c.heads * c.seq};
-      HostTensor cpu_out(type, hq.shape), cpu_lse(DType::f32, rows), cpu_delta(DType::f32, rows);
-      HostTensor cpu_dq(type, hq.shape), cpu_dk(type, hk.shape), cpu_dv(type, hk.shape);
-      HostTensor cpu_dq_accum(DType::f32, hq.shape);
-      cpu().attention_flash_forward(cpu_out, cpu_lse, hq, hk, hv, hids.tensor(), dims);
-      cpu().attention_flash_backward(cpu_dq, cpu_dk, cpu_dv, cpu_delta, cpu_dq_accum, hdo, cpu_out, cpu_lse, hq, hk,
-                                     hv, hids.tensor(), dims);
+      const hopper::CpuAttention ref = hopper::cpu_attention(cpu(), rng_, c, type, hids.tensor());
 
-      DeviceTensor q = upload(hq), k = upload(hk), v = upload(hv), d_out = upload(hdo), ids = upload(hids);
-      DeviceTensor out = upload(cpu_out), lse = upload(cpu_lse);
+      DeviceTensor q = upload(ref.q), k = upload(ref.k), v = upload(ref.v), d_out = upload(ref.d_out);
+      DeviceTensor ids = upload(hids);
+      DeviceTensor out = upload(ref.out), lse = upload(ref.lse);
       {
-        DeviceTensor probe_dk(gpu(), type, hk.shape), probe_accum(gpu(), DType::f32, hq.shape);
+        DeviceTensor probe_dk(gpu(), type, ref.k.shape), probe_accum(gpu(), DType::f32, ref.q.shape);
         const cuda::FlashTensors t = cuda::flash_backward_tensors(q, probe_dk, probe_dk, lse, probe_accum, d_out, out,
                                                                   lse, q, k, v);
         ASSERT_TRUE(cuda::flash_backward_hopper_serves(params_of(c, ids), t)) << "packed rows are served";
       }
       const Gradients hopper = backend_backward(true, type, c, d_out, out, lse, q, k, v, ids);
-      expect_close("hopper packed dq", hopper.dq, cpu_dq.floats(), storage_tolerance(type));
-      expect_close("hopper packed dk", hopper.dk, cpu_dk.floats(), storage_tolerance(type));
-      expect_close("hopper packed dv", hopper.dv, cpu_dv.floats(), storage_tolerance(type));
+      expect_close("hopper packed dq", hopper.dq, ref.dq.floats(), storage_tolerance(type));
+      expect_close("hopper packed dk", hopper.dk, ref.dk.floats(), storage_tolerance(type));
+      expect_close("hopper packed dv", hopper.dv, ref.dv.floats(), storage_tolerance(type));
       const Gradients v2 = backend_backward(false, type, c, d_out, out, lse, q, k, v, ids);
       expect_close("hopper packed dq vs v2", hopper.dq, v2.dq, storage_tolerance(type));
       expect_close("hopper packed dk vs v2", hopper.dk, v2.dk, storage_tolerance(type));
