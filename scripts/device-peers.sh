@@ -54,23 +54,35 @@ check() {
   local bin=$1 parts=$2
   n=$((n + 1))
   echo "== $(date -u +%T) device-check $bin $parts" | tee -a "$OUT/dates.txt"
-  rm -rf "/tmp/mt-peers-$CALL-$n"  # a warm machine keeps /tmp: no earlier call's files in this tarball
-  WORK=/tmp/mt-peers-$CALL-$n bash "$ROOT/scripts/device-check.sh" "$bin" "$parts" 2>&1 | tee "$OUT/summary-$n-${parts//,/_}.log" | tail -c 5000
+  last_work=/tmp/mt-peers-$CALL-$n  # the run's WORK, for a later run of the call that reads its files
+  rm -rf "$last_work"  # a warm machine keeps /tmp: no earlier call's files in this tarball
+  WORK=$last_work bash "$ROOT/scripts/device-check.sh" "$bin" "$parts" 2>&1 | tee "$OUT/summary-$n-${parts//,/_}.log" | tail -c 5000
   [ -f "$OUT/results.tar.gz" ] && mv "$OUT/results.tar.gz" "$OUT/results-$n.tar.gz"
+}
+# memtune's variants of configurations 1-3 (device-check's configs part).
+MEMTUNE_CONFIGS=qlora,qlora-offload,qlora-offload-opt,lora16,lora16-offload-opt,data-merged,data-merged-opt,data-packed
+# transformers + PEFT and Liger on configurations 1 and 3, then both on configuration 2 (r32, batch 2
+# x accumulation 4, unpacked; PEER_ARGS come last and win).
+hf_and_liger_configs() {
+  LIGER_STEPS=3 LIGER_ARGS="--only flash,qlora" LIGER_TIMEOUT=120 LADDER_STEPS=3 PEER_ARGS="--only flash,qlora" \
+    PEER_TIMEOUT=120 check "$BIN_DIR" liger,peer
+  local c2="--lora-r 32 --lora-alpha 32 --accum 4 --steps 4"
+  PEER_DATA_MEMTUNE=0 PEER_DATA_PACKED=0 DATA_TIMEOUT=100 PEER_ARGS="$c2" check "$BIN_DIR" peer-data
+  PEER_DATA_MEMTUNE=0 PEER_DATA_PACKED=0 DATA_TIMEOUT=100 PEER_ARGS="$c2 --liger" check "$BIN_DIR" peer-data
+}
+# Unsloth's one step at one length under the large cap (fits or not; a step there takes minutes):
+# unsloth_at_length SEQ CONTEXT_TIMEOUT PROBE_TIMEOUT.
+unsloth_at_length() {
+  CONTEXT_CAPS=$BIG_CAP CONTEXT_MIN=$1 CONTEXT_MAX=$1 CONTEXT_UNIT=$1 CONTEXT_STEPS=0 \
+    CONTEXT_TIMEOUT=$2 PROBE_TIMEOUT=$3 check "$BIN_DIR" unsloth-context
 }
 case "$CALL" in
   a)
     GTEST_FILTER=${TEST_FILTER:-CudaStepTest.Offload*} TEST_TIMEOUT=${TEST_TIMEOUT:-60} CONFIG_STEPS=6 \
-      CONFIGS=${CONFIGS:-qlora,qlora-offload,qlora-offload-opt,lora16,lora16-offload-opt,data-merged,data-merged-opt,data-packed} \
-      check "$BIN_DIR" tests,configs
+      CONFIGS=${CONFIGS:-$MEMTUNE_CONFIGS} check "$BIN_DIR" tests,configs
     [ -n "${BASE_BIN_DIR:-}" ] && CONFIGS=qlora,lora16 CONFIG_STEPS=6 check "$BASE_BIN_DIR" configs
     DATA_MODES=synthetic,unpacked,grouped,padding_free,packed DATA_STEPS=6 DATA_TIMEOUT=90 check "$BIN_DIR" peer-data
-    LIGER_STEPS=3 LIGER_ARGS="--only flash,qlora" LIGER_TIMEOUT=120 LADDER_STEPS=3 PEER_ARGS="--only flash,qlora" \
-      PEER_TIMEOUT=120 check "$BIN_DIR" liger,peer
-    # Configuration 2: r32, batch 2 x accumulation 4, unpacked (PEER_ARGS come last and win).
-    C2="--lora-r 32 --lora-alpha 32 --accum 4 --steps 4"
-    PEER_DATA_MEMTUNE=0 PEER_DATA_PACKED=0 DATA_TIMEOUT=100 PEER_ARGS="$C2" check "$BIN_DIR" peer-data
-    PEER_DATA_MEMTUNE=0 PEER_DATA_PACKED=0 DATA_TIMEOUT=100 PEER_ARGS="$C2 --liger" check "$BIN_DIR" peer-data
+    hf_and_liger_configs
     ;;
   b)
     # The longest context first (nothing else measures it); the model folder it writes is reused.
@@ -113,9 +125,8 @@ case "$CALL" in
     BIG_CAP=${BIG_CAP:-80}
     EDGE_VRAM=${BIG_CAP}GiB EDGE_OFFLOAD=0 EDGE_STEPS=1 EDGE_TIMEOUT=${EDGE_TIMEOUT:-260} check "$BIN_DIR" edge
     seq=${UNSLOTH_EDGE_SEQ:-$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['without_offload']['seq'])" \
-      "/tmp/mt-peers-$CALL-1/edge/fit.json" 2>/dev/null)}
-    [ -n "$seq" ] && CONTEXT_CAPS=$BIG_CAP CONTEXT_MIN=$seq CONTEXT_MAX=$seq CONTEXT_UNIT=$seq CONTEXT_STEPS=0 \
-      CONTEXT_TIMEOUT=${CONTEXT_TIMEOUT:-420} PROBE_TIMEOUT=${PROBE_TIMEOUT:-400} check "$BIN_DIR" unsloth-context
+      "$last_work/edge/fit.json" 2>/dev/null)}
+    [ -n "$seq" ] && unsloth_at_length "$seq" "${CONTEXT_TIMEOUT:-420}" "${PROBE_TIMEOUT:-400}"
     ;;
   g)
     # Configuration 4 under the large cap for transformers + PEFT and Liger (windows from the 24 GiB
@@ -138,14 +149,9 @@ case "$CALL" in
   h)
     # Configurations 1-3 for all four tools in one call: memtune's variants, Unsloth (1, 3 and its
     # benchmark shape 2), transformers + PEFT and Liger on 1 and 3, then both on 2.
-    CONFIGS=${CONFIGS:-qlora,qlora-offload,qlora-offload-opt,lora16,lora16-offload-opt,data-merged,data-merged-opt,data-packed} \
-      CONFIG_STEPS=6 check "$BIN_DIR" configs
+    CONFIGS=${CONFIGS:-$MEMTUNE_CONFIGS} CONFIG_STEPS=6 check "$BIN_DIR" configs
     UNSLOTH_STEPS=4 UNSLOTH_TIMEOUT=${UNSLOTH_TIMEOUT:-220} check "$BIN_DIR" unsloth,unsloth-data
-    LIGER_STEPS=3 LIGER_ARGS="--only flash,qlora" LIGER_TIMEOUT=120 LADDER_STEPS=3 PEER_ARGS="--only flash,qlora" \
-      PEER_TIMEOUT=120 check "$BIN_DIR" liger,peer
-    C2="--lora-r 32 --lora-alpha 32 --accum 4 --steps 4"
-    PEER_DATA_MEMTUNE=0 PEER_DATA_PACKED=0 DATA_TIMEOUT=100 PEER_ARGS="$C2" check "$BIN_DIR" peer-data
-    PEER_DATA_MEMTUNE=0 PEER_DATA_PACKED=0 DATA_TIMEOUT=100 PEER_ARGS="$C2 --liger" check "$BIN_DIR" peer-data
+    hf_and_liger_configs
     ;;
   l)
     # Configuration 4 under the large cap past memtune's no-offload edge: memtune with activation
@@ -156,8 +162,7 @@ case "$CALL" in
       LONG_SEQ=$LONG_SEQ LONG_VRAM=${BIG_CAP}GiB LONG_FIT_BUDGETS=${BIG_CAP}GiB LONG_STEPS=1 LONG_ATTN=auto \
         LONG_TIMEOUT=${LONG_TIMEOUT:-540} check "$BIN_DIR" longctx
     else
-      CONTEXT_CAPS=$BIG_CAP CONTEXT_MIN=$LONG_SEQ CONTEXT_MAX=$LONG_SEQ CONTEXT_UNIT=$LONG_SEQ CONTEXT_STEPS=0 \
-        CONTEXT_TIMEOUT=${CONTEXT_TIMEOUT:-560} PROBE_TIMEOUT=${PROBE_TIMEOUT:-540} check "$BIN_DIR" unsloth-context
+      unsloth_at_length "$LONG_SEQ" "${CONTEXT_TIMEOUT:-560}" "${PROBE_TIMEOUT:-540}"
     fi
     ;;
   ab)
