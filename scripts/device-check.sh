@@ -55,6 +55,11 @@
 #                  then `memtune train` at the longest length it found with offload (EDGE_OFFLOAD=0:
 #                  without), for EDGE_STEPS (2) steps under the same --vram; nvidia-smi's maximum
 #                  against the budget
+#       attn-step  the own flash kernel's versions in a training step: configuration 1 (QLoRA full stack,
+#                  --attn_implementation flash, 2 x 2048, 6 steps) and 1 x 32768 (4 steps) once per
+#                  value of MEMTUNE_FLASH_BACKWARD in ATTN_STEP_BACKWARDS (default "v2 hopper"),
+#                  alternately, ATTN_STEP_ROUNDS (2) rounds at 2048 and one at 32768; then cuDNN
+#                  (--attn_implementation cudnn) at 32768 as the reference
 #   The unsloth, unsloth-data, unsloth-context, liger, peer-data and peer-context parts are
 #   independent of each other and of the others: each installs the wheels in .whl/ it needs
 #   (carry .whl; bench/install_peer_wheels.sh --prepare-bnb --prepare-unsloth --prepare-liger).
@@ -413,6 +418,26 @@ if has_part configs; then
     timed_train "$C" "$name" "${CONFIG_TIMEOUT:-150}" $args --max_steps "${CONFIG_STEPS:-6}"
   done
   rm -f "$cdata"
+fi
+
+# The own flash kernel's versions in a step (see the part list above): the same run under each
+# MEMTUNE_FLASH_BACKWARD value, alternated so that the run-to-run spread shows beside the gain.
+if has_part attn-step; then
+  stamp attn-step
+  A="$WORK/attn-step"; mkdir -p "$A"
+  QLORA_FLASH="--load_in_4bit --bf16 --gradient_checkpointing --loss_implementation chunked --offload_embeddings"
+  for round in $(seq "${ATTN_STEP_ROUNDS:-2}"); do
+    for backward in ${ATTN_STEP_BACKWARDS:-v2 hopper}; do
+      MEMTUNE_FLASH_BACKWARD=$backward timed_train "$A" "c1-$backward-$round" 150 $QLORA_FLASH --attn_implementation flash \
+        --batch 2 --accum 2 --seq 2048 --lora_r 16 --lora_alpha 16 --max_steps 6
+    done
+  done
+  for backward in ${ATTN_STEP_BACKWARDS:-v2 hopper}; do
+    MEMTUNE_FLASH_BACKWARD=$backward timed_train "$A" "s32k-$backward" 200 $QLORA_FLASH --attn_implementation flash \
+      --batch 1 --accum 1 --seq 32768 --lora_r 16 --lora_alpha 16 --max_steps 4
+  done
+  timed_train "$A" "s32k-cudnn" 200 $QLORA_FLASH --attn_implementation cudnn \
+    --batch 1 --accum 1 --seq 32768 --lora_r 16 --lora_alpha 16 --max_steps 4
 fi
 
 # The --vram verdict at its edge: the longest context `fit --max-context` accepts under EDGE_VRAM

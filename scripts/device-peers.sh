@@ -26,6 +26,8 @@
 #     k   issue 23: the attention GPU tests, compute-sanitizer on the Hopper kernels', PyTorch SDPA
 #     l   configuration 4 under the large cap past memtune's no-offload edge (LONG_SEQ): memtune with
 #         activation offload (L_PART=memtune) or Unsloth's one-step probe (L_PART=unsloth)
+#     m   issue 23: the own flash kernel's backward versions (v2, hopper) in training steps (configuration 1
+#         and 1 x 32768, alternately), cuDNN at 32768 beside them, after the Hopper backward's GPU tests
 #     ab  a kernel change's call: the whole GPU test suite (TEST_FILTER, default all) and compute-sanitizer
 #         (AB_PARTS, default tests,sanitizer), then memtune's
 #         configurations 1 and 3 (AB_CONFIGS) with BIN_DIR and with BASE_BIN_DIR (required)
@@ -33,7 +35,7 @@
 #   BIN_DIR  prepare-devbin.sh's folder (default .devbin); carry it and .whl.
 # Each call reuses nothing of another: each can run on a fresh machine.
 set -u
-CALL=${1:?usage: scripts/device-peers.sh a|b|c|d|e|f|g|h|k|l|ab [BIN_DIR]}
+CALL=${1:?usage: scripts/device-peers.sh a|b|c|d|e|f|g|h|k|l|m|ab [BIN_DIR]}
 BIN_DIR=${2:-.devbin}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-/tmp/memtune-device-check}
@@ -165,6 +167,12 @@ case "$CALL" in
       unsloth_at_length "$LONG_SEQ" "${CONTEXT_TIMEOUT:-560}" "${PROBE_TIMEOUT:-540}"
     fi
     ;;
+  m)
+    # Issue 23: whether the Hopper backward is right and faster in a step before it becomes the
+    # default: its GPU tests first (a wrong kernel's timings mean nothing), then device-check's attn-step.
+    GTEST_FILTER=${TEST_FILTER:-'CudaHopperBackwardTest.*-*Timing*'} TEST_TIMEOUT=${TEST_TIMEOUT:-120} \
+      check "$BIN_DIR" tests,attn-step
+    ;;
   ab)
     : "${BASE_BIN_DIR:?device-peers ab: set BASE_BIN_DIR to the binaries to compare against}"
     AB_PARTS=${AB_PARTS:-tests,sanitizer}  # "-": only the A/B (the tests ran in a call before)
@@ -174,6 +182,6 @@ case "$CALL" in
       CONFIGS=${AB_CONFIGS:-qlora,lora16} CONFIG_STEPS=6 check "$BASE_BIN_DIR" configs
     done
     ;;
-  *) echo "device-peers: unknown call $CALL (a, b, c, d, e, f, g, h, k, l or ab)" >&2; exit 2 ;;
+  *) echo "device-peers: unknown call $CALL (a, b, c, d, e, f, g, h, k, l, m or ab)" >&2; exit 2 ;;
 esac
 echo "== $(date -u +%T) done" | tee -a "$OUT/dates.txt"
