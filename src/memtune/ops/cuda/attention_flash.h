@@ -11,10 +11,10 @@ struct FlashVersions {
                                         // 9.0, the sm_90a object in the build) where it serves the
                                         // call, else forward v2; false: forward v2 always.
                                         // MEMTUNE_FLASH_FORWARD=v2 sets the start value false
-  bool backward_hopper = false;         // the Hopper backward's main pass (attention_hopper.h) where
-                                        // it serves the call, else backward v2's; off until it is
-                                        // measured on a GPU. MEMTUNE_FLASH_BACKWARD=hopper sets the
-                                        // start value true (v2 or unset: false)
+  bool backward_hopper = true;          // the Hopper backward's main pass (attention_hopper.h) where
+                                        // it serves the call, else backward v2's; false: v2 always.
+                                        // 1.06-1.68x backward v2 on an H100 (bench/NOTES.md).
+                                        // MEMTUNE_FLASH_BACKWARD=v2 sets the start value false
   int forward_keys = 0;                 // keys per block: 32 or 64 (where shared memory allows),
                                         // 0 the default; MEMTUNE_FLASH_FWD_KEYS sets the start value
   bool forward_grid_per_head = false;   // heaviest query blocks first per head, not grid-wide

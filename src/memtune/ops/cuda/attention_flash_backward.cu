@@ -13,7 +13,7 @@
 // dS^T kept in registers for dK, skipped masked warps, vector fp32 reductions for dQ on sm_90,
 // 16-byte D/zeroing and dQ rounding passes. On compute capability 9.0 the main pass may instead be
 // the Hopper backward's (attention_hopper_backward.cu: wgmma + TMA, same contract), where
-// FlashVersions::backward_hopper is set (attention_flash.h; off by default) and it serves the call.
+// FlashVersions::backward_hopper is set (attention_flash.h; the default) and it serves the call.
 // Generic kernels (any even head_dim up to 256, any float dtypes, any alignment, and shapes the
 // tensor-core tiling cannot take): one warp per query row (dQ) or key row (dK/dV), fp32
 // throughout.
@@ -668,7 +668,7 @@ void attention_flash_backward(const AttentionParams& p, const FlashTensors& t,
   if (attention_flash_uses_tensor_cores(p, t, true)) {
     keys_per_block = p.head_dim == 64 ? backward_keys_per_block<64>(p) : backward_keys_per_block<128>(p);
   }
-  // The Hopper backward's main pass in place of backward v2's where it is turned on
+  // The Hopper backward's main pass in place of backward v2's where it is on (the default)
   // (FlashVersions::backward_hopper) and serves the call (attention_hopper.h); the passes before
   // and after it are the same.
   const bool hopper = flash_versions().backward_hopper && flash_backward_hopper_serves(p, t);

@@ -575,13 +575,13 @@ std::atomic<bool>& forward_hopper_flag() {
   return flag;
 }
 
-// Whether the Hopper backward may run (MEMTUNE_FLASH_BACKWARD=hopper: yes; v2 or unset: no); read
+// Whether the Hopper backward may run (MEMTUNE_FLASH_BACKWARD=v2: no; hopper or unset: yes); read
 // once. Any other value aborts, as for MEMTUNE_FLASH_FORWARD.
 std::atomic<bool>& backward_hopper_flag() {
   static std::atomic<bool> flag{[] {
     const char* value = std::getenv("MEMTUNE_FLASH_BACKWARD");
-    if (value == nullptr || std::strcmp(value, "v2") == 0) return false;
-    if (std::strcmp(value, "hopper") == 0) return true;
+    if (value == nullptr || std::strcmp(value, "hopper") == 0) return true;
+    if (std::strcmp(value, "v2") == 0) return false;
     cuda_check_failed("getenv(\"MEMTUNE_FLASH_BACKWARD\")", "environment", "MEMTUNE_FLASH_BACKWARD takes v2 or hopper",
                       __FILE__, __LINE__);
   }()};

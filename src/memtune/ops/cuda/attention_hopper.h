@@ -27,7 +27,7 @@ bool launch_flash_forward_hopper(const AttentionParams& p, const FlashTensors& t
 // The Hopper backward (attention_hopper_backward.cu; wgmma + TMA, FlashAttention-3's tiling
 // without warp specialisation yet): the main pass of attention_flash_backward (cuda_ops.h), which
 // runs it in place of backward v2's main kernel where FlashVersions::backward_hopper holds
-// (attention_flash.h; off by default, MEMTUNE_FLASH_BACKWARD=hopper turns it on) and it serves the
+// (attention_flash.h; on by default, MEMTUNE_FLASH_BACKWARD=v2 turns it off) and it serves the
 // call. It reads q, k, v, d_out, lse and t.delta (= rowsum(dO * O), f32 [batch, n_heads, seq]),
 // adds dQ into t.dq_accum (f32, q's layout, zeroed before), and writes dk and dv (16-bit, k's
 // layout); the D pass before it and dQ's rounding after it are attention_flash_backward's.
