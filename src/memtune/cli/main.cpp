@@ -32,6 +32,7 @@
 #include "memtune/report/ladder_report.h"
 #include "memtune/core/progress.h"
 #include "memtune/experiment/sweep.h"
+#include "memtune/train/attention_pick.h"
 #include "memtune/train/engine_arena.h"
 #include "memtune/train/output_dir.h"
 #include "memtune/train/trainer.h"
@@ -416,6 +417,8 @@ int run_cli(int argc, char** argv) {
 
   // The ladder sets checkpointing per rung, so --offload_activations without
   // --gradient_checkpointing is valid there (run_ladder validates every rung).
+  // auto (sdpa) resolves to the fixed rule here; `train` on a GPU measures instead (attention_pick.h).
+  const bool attention_auto = run.attn_implementation == "auto" || run.attn_implementation == "sdpa";
   resolve_run_flags(run, flags, /*validate=*/!ladder_cmd->parsed());
   // An adapter to start from (train --init-adapter, eval --adapter) brings its own LoRA settings.
   if (!init_adapter.empty() && (train_cmd->parsed() || eval_cmd->parsed())) {
@@ -751,6 +754,13 @@ int run_cli(int argc, char** argv) {
   // allocated.
   // Several ranks run on GPUs only (the communicator refuses CPU ranks after the budget check).
   const Device planned_device = launch.world_size > 1 ? Device::cuda : backend->device();
+  // --attn_implementation auto on one GPU: the faster of the own kernel and cuDNN at this run's
+  // shape, measured once and cached (several ranks keep the rule: each would measure on its own).
+  if (attention_auto && launch.world_size == 1) {
+    const std::string picked = resolve_auto_attention(*backend, run, model, vram.empty() ? 0 : parse_bytes(vram),
+                                                      measured_context_reserve_bytes(*backend));
+    if (!picked.empty()) std::cerr << "memtune: " << picked << "\n";
+  }
   const Plan plan = plan_run(run, model, planned_device, launch.world_size);
   std::cerr << format_plan(plan, run, model);
   if (launch.world_size > 1) {

@@ -20,7 +20,7 @@ inline void add_run_options(CLI::App& app, RunConfig& run, RunFlags& flags) {
   app.add_flag("--fp16", flags.fp16, "fp16 base and activations with dynamic loss scaling");
   app.add_flag("--fp32", flags.fp32, "fp32 everything (default)");
   app.add_flag("--gradient_checkpointing,--gradient-checkpointing", run.gradient_checkpointing, "save layer inputs only; recompute in backward");
-  app.add_option("--attn_implementation,--attn-implementation", run.attn_implementation, "eager | flash (memtune's kernel) | cudnn (cuDNN fused attention, CUDA builds with cuDNN) | auto (alias sdpa: cudnn where available, else flash)")->capture_default_str();
+  app.add_option("--attn_implementation,--attn-implementation", run.attn_implementation, "eager | flash (memtune's kernel) | cudnn (cuDNN fused attention, CUDA builds with cuDNN) | auto (alias sdpa: train on a GPU runs the faster of flash and cudnn at its shape, timed once and cached; elsewhere cudnn where available, else flash)")->capture_default_str();
   app.add_option("--loss_implementation,--loss-implementation", run.loss_implementation, "full | chunked")->capture_default_str();
   app.add_option("--loss_chunk_tokens", run.loss_chunk_tokens, "tokens per chunk of the chunked loss")->capture_default_str();
   app.add_option("--mlp_chunk_tokens", run.mlp_chunk_tokens, "tokens per chunk of a layer's row-wise parts (norms, projections, LoRA, MLP) where its activations are not saved (checkpointing, eval); 0 = no chunking")->capture_default_str();
