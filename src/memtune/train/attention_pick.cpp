@@ -350,9 +350,9 @@ std::string resolve_auto_attention(Backend& backend, RunConfig& run, const Llama
       RunConfig r = run;
       r.attn_implementation = c;
       if (plan_run(r, model, Device::cuda).arena_bytes + context_bytes <= budget_bytes) fitting.push_back(c);
+      else note += fmt::format("; {} does not fit the budget", c);
     }
     if (fitting.empty()) return "";
-    if (fitting.size() < candidates.size()) note = fmt::format("; {} does not fit the budget", candidates.front());
     candidates = fitting;
     uint64_t probe = 0;  // one candidate is timed at a time
     for (const std::string& c : candidates) probe = std::max(probe, attention_probe_bytes(shape, {c}));
