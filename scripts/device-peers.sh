@@ -143,7 +143,7 @@ case "$CALL" in
     # Issue 23's call: the attention GPU tests (own kernels, the Hopper forward and backward, cuDNN;
     # their timing lines are the table's memtune columns), compute-sanitizer on the Hopper kernels'
     # correctness tests, and PyTorch SDPA (flash, cuDNN) on the same shapes.
-    GTEST_FILTER=${TEST_FILTER:-'CudaHopperAttentionTest.*:CudaHopperBackwardTest.*:CudaAttentionTest.*:CudnnAttentionTest.*:CudnnRaggedTest.*:CudaStepTest.WholeStepsAtTensorCoreHeadDimsMatchTheCpu'} \
+    GTEST_FILTER=${TEST_FILTER:-'CudaHopperAttentionTest.*:CudaHopperBackwardTest.*:CudaAttentionTest.*:CudnnAttentionTest.*:CudnnRaggedTest.*:CudaAttentionPickTest.*:CudaStepTest.WholeStepsAtTensorCoreHeadDimsMatchTheCpu'} \
       TEST_TIMEOUT=${TEST_TIMEOUT:-240} SANITIZER_TIMEOUT=${SANITIZER_TIMEOUT:-190} \
       SANITIZER_FILTER=${SANITIZER_FILTER:-'CudaHopperAttentionTest.ForwardMatchesCpuAndFeedsTheBackward:CudaHopperAttentionTest.PackedRowsMatchCpu:CudaHopperBackwardTest.PackedRowsMatchCpu'} \
       check "$BIN_DIR" tests,sanitizer-tests,sdpa
