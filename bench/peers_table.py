@@ -8,8 +8,9 @@ data table, in Markdown.
 RESULTS_DIR holds the unpacked results of scripts/device-peers.sh's calls (each results-N.tar.gz
 unpacked into a folder of its own, anywhere below RESULTS_DIR). Every figure is read from the files:
   memtune   configs/<variant>.jsonl + .smi (device-check's configs part), peer-data/memtune-<mode>.jsonl
-            + .smi, and edge/ (fit.json, metrics.jsonl, smi.log): tokens/s over the steps after the
-            first two (bench/data_modes.py), device peak = nvidia-smi's maximum
+            + .smi, edge/ (fit.json, metrics.jsonl, smi.log) and longctx/ (metrics.jsonl, smi.log,
+            fit-<budget>.json): tokens/s over the steps after the first two (bench/data_modes.py; edge
+            and longctx, a step or two of minutes: over every step), device peak = nvidia-smi's maximum
   peers     every *.json with a "tool" and "rungs" (bench/peer_hf.py, bench/peer_unsloth.py), sorted
             into a configuration by what it ran (LoRA rank, accumulation, data, packing, --max-context)
 A figure that is missing prints as "not run"; nothing is filled in from elsewhere.
@@ -138,6 +139,28 @@ def collect(root):
                     pass
             budget = fit.get("budget_bytes")
             rows["4"][("memtune", f"{budget / GIB:g} GiB" if budget else "edge")] = figure
+        elif base == "metrics.jsonl" and os.path.basename(os.path.dirname(path)) == "longctx":
+            # device-check's longctx part: `memtune train` with activation offload at a length chosen
+            # by the call (LONG_SEQ) under --vram LONG_VRAM; the fit beside it (LONG_FIT_BUDGETS) gives
+            # the budget where it is the only one, and the plan's longest length with offload.
+            folder = os.path.dirname(path)
+            fits = [load_json(os.path.join(folder, f)) or {} for f in sorted(os.listdir(folder))
+                    if f.startswith("fit-") and f.endswith(".json")]
+            fit = fits[0] if len(fits) == 1 else {}
+            try:
+                s = summarise(path, os.path.join(folder, "smi.log"), skip=0)
+                steps_timed = s["steps_timed"]
+                seq = s["tokens"] // max(1, steps_timed)
+            except (OSError, ValueError, KeyError, ZeroDivisionError):
+                continue
+            if not steps_timed:
+                continue
+            budget = fit.get("budget_bytes")
+            figure = {"seq": seq, "budget_bytes": budget, "offload": True, "longctx": True, "steps": steps_timed,
+                      "plan_seq": (fit.get("with_offload") or {}).get("seq"),
+                      "tokens_per_second": s["tokens_per_second"],
+                      "device_peak_bytes": (s.get("device_peak_mib") or 0) * MIB, "source": folder}
+            rows["4"][("memtune", f"{budget / GIB:g} GiB offload {seq}" if budget else f"offload {seq}")] = figure
         elif base.endswith(".json"):
             report = load_json(path)
             if not isinstance(report, dict) or "rungs" not in report or "tool" not in report:
@@ -216,14 +239,23 @@ def context_table(group):
     for (tool, variant), f in memtune_first(group):
         if tool == "memtune":
             cap = f"--vram {f['budget_bytes'] / GIB:g} GiB" if f.get("budget_bytes") else "--vram"
-            searched = (f"the plan (`fit --max-context`, activation offload {'on' if f.get('offload') else 'off'}), "
-                        "trained at it")
+            if f.get("longctx"):
+                plan = f" (the plan's longest with it: {f['plan_seq']})" if f.get("plan_seq") else ""
+                searched = (f"a length chosen for the call, trained with activation offload, "
+                            f"{f['steps']} step{'s' if f['steps'] != 1 else ''}{plan}")
+            else:
+                searched = (f"the plan (`fit --max-context`, activation offload {'on' if f.get('offload') else 'off'}), "
+                            "trained at it")
         else:
             cap = variant
             ranges = f.get("ranges") or [f.get("range") or ["?", "?"]]
             probes = f.get("probes") or []
             fits = sorted(p["seq"] for p in probes if p.get("fits"))
-            fails = sorted(p["seq"] for p in probes if not p.get("fits"))
+            # A probe that failed for another reason than the device's memory says so.
+            def out_of_memory(p):
+                return not p.get("error") or "out of memory" in str(p["error"]).lower()
+            fails = sorted(p["seq"] for p in probes if not p.get("fits") and out_of_memory(p))
+            others = sorted((p["seq"], p["error"]) for p in probes if not p.get("fits") and not out_of_memory(p))
             # A one-step probe that is also the timed run: its figure holds its warm-up, and one step
             # says less than the steady state (the optimizer's state is allocated in that step).
             steps = f.get("probe_steps") or 1
@@ -231,7 +263,8 @@ def context_table(group):
                    else "a step ran" if steps == 1 else f"{steps} steps ran")
             searched = ("bisection in " + " and ".join(f"[{r[0]}, {r[1]}]" for r in ranges)
                         + (f"; {ran} at {', '.join(map(str, fits))}" if fits else "")
-                        + (f"; out of memory at {', '.join(map(str, fails))}" if fails else ""))
+                        + (f"; out of memory at {', '.join(map(str, fails))}" if fails else "")
+                        + "".join(f"; failed at {q} ({error})" for q, error in others))
         seq = f.get("seq")
         if not seq:
             seq = "none in range"

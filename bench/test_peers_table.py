@@ -120,6 +120,28 @@ class PeersTableTest(unittest.TestCase):
         self.assertIn("| cap 79 GiB | 147456 | bisection in [131072, 163840]; 2 steps ran at 147456; out of memory "
                       "at 163840 | 1,500 |", ctx)
 
+    def test_longctx_runs_and_probes_that_failed_otherwise(self):
+        # device-check's longctx part: one step of 262,144 tokens with offload under a 79 GiB fit.
+        folder = f"{self.tmp.name}/call5/run1/longctx"
+        write(f"{folder}/metrics.jsonl", steps(1, 170.0, 262144, 262143, 262144))
+        write(f"{folder}/smi.log", "0\n30000\n30603\n")
+        write(f"{folder}/fit-79GiB.json", json.dumps({"budget_bytes": 79 * 2**30,
+                                                      "with_offload": {"seq": 529408},
+                                                      "without_offload": {"seq": 236800}}))
+        # An Unsloth probe killed by a signal is not "out of memory" in the table.
+        report = {"tool": "unsloth", "device": "NVIDIA H100 80GB HBM3", "config": {}, "rungs": [],
+                  "max_context": {"cap_gib": 79, "range": [294912, 294912], "max_seq": None, "probe_steps": 1,
+                                  "probes": [{"seq": 294912, "fits": False,
+                                              "error": "process died (killed by signal 9) without a result"}],
+                                  "run": {}}}
+        write(f"{self.tmp.name}/call6/unsloth-context-79.json", json.dumps(report))
+        rows, _, _ = peers_table.collect(self.tmp.name)
+        ctx = peers_table.context_table(rows["4"])
+        self.assertIn("| memtune | --vram 79 GiB | 262144 | a length chosen for the call, trained with activation "
+                      "offload, 1 step (the plan's longest with it: 529408) | 1,542 | 30,603 MiB (29.89 GiB) |", ctx)
+        self.assertIn("| Unsloth | cap 79 GiB | none in range | bisection in [294912, 294912]; failed at 294912 "
+                      "(process died (killed by signal 9) without a result) |", ctx)
+
 
 if __name__ == "__main__":
     unittest.main()
