@@ -52,7 +52,8 @@ struct AttentionPick {
 uint64_t attention_probe_bytes(const AttentionShape& shape, const std::vector<std::string>& implementations);
 
 // Median milliseconds of one forward + one backward of `implementation` ("flash" or "cudnn") at
-// `shape` on `backend`, over `repeats` runs after one untimed (cuDNN builds its graphs then).
+// `shape` on `backend`, over `repeats` runs (fewer once 3 s are spent) after one untimed (cuDNN
+// builds its graphs then).
 // Allocates its inputs and scratch from one temporary arena and frees it before returning.
 double time_attention(Backend& backend, const AttentionShape& shape, const std::string& implementation,
                       int repeats);
