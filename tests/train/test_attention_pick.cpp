@@ -134,6 +134,8 @@ TEST_F(AttentionPickTest, AForeignOrBrokenCacheIsLeftAloneAndNotUsed) {
     EXPECT_FALSE(read_cached_attention_pick(cache, device, shape.key()).has_value());
     store_attention_pick(cache, device, shape.key(), pick);  // not stored: the file is not ours
     EXPECT_EQ(read_file(cache), text);
+    EXPECT_EQ(pick_attention(*cpu_, shape, {"cudnn", "flash"}, cache, 1).source, "measured now");
+    EXPECT_EQ(read_file(cache), text) << "a pick is not written over a file that is not a memtune cache";
   }
   // A well-formed file with a bad entry: the entry is ignored, the pick measured.
   const std::filesystem::path cache = dir_ / "attention-picks.json";

@@ -259,14 +259,10 @@ std::string entry_key(const std::string& device_key, const std::string& shape_ke
   return device_key + " | " + shape_key;
 }
 
-}  // namespace
-
-std::optional<AttentionPick> read_cached_attention_pick(const std::filesystem::path& cache,
-                                                        const std::string& device_key, const std::string& shape_key) {
-  if (cache.empty()) return std::nullopt;
-  const std::optional<nlohmann::json> value = read_cache(cache);
-  if (!value) return std::nullopt;
-  const nlohmann::json& entries = (*value)["entries"];
+// The entry of (device, shape) in a cache read by read_cache, if it is a whole one.
+std::optional<AttentionPick> cached_entry(const nlohmann::json& value, const std::filesystem::path& cache,
+                                          const std::string& device_key, const std::string& shape_key) {
+  const nlohmann::json& entries = value["entries"];
   const auto it = entries.find(entry_key(device_key, shape_key));
   if (it == entries.end() || !it->is_object()) return std::nullopt;
   const nlohmann::json& entry = *it;
@@ -281,6 +277,15 @@ std::optional<AttentionPick> read_cached_attention_pick(const std::filesystem::p
   }
   pick.source = "cached in " + cache.string();
   return pick;
+}
+
+}  // namespace
+
+std::optional<AttentionPick> read_cached_attention_pick(const std::filesystem::path& cache,
+                                                        const std::string& device_key, const std::string& shape_key) {
+  if (cache.empty()) return std::nullopt;
+  const std::optional<nlohmann::json> value = read_cache(cache);
+  return value ? cached_entry(*value, cache, device_key, shape_key) : std::nullopt;
 }
 
 void store_attention_pick(const std::filesystem::path& cache, const std::string& device_key,
@@ -310,7 +315,10 @@ AttentionPick pick_attention(Backend& backend, const AttentionShape& shape, cons
     return pick;
   }
   const std::string device_key = attention_device_key(backend);
-  if (std::optional<AttentionPick> cached = read_cached_attention_pick(cache, device_key, shape.key())) {
+  // Read once: a file that is not a memtune cache is reported here, and then neither used nor
+  // written (store_attention_pick reads it again before writing, to keep other runs' entries).
+  const std::optional<nlohmann::json> stored = cache.empty() ? std::nullopt : read_cache(cache);
+  if (std::optional<AttentionPick> cached = stored ? cached_entry(*stored, cache, device_key, shape.key()) : std::nullopt) {
     bool covers = has(candidates, cached->implementation);
     for (const std::string& c : candidates)
       covers = covers && std::any_of(cached->timings.begin(), cached->timings.end(),
@@ -324,7 +332,7 @@ AttentionPick pick_attention(Backend& backend, const AttentionShape& shape, cons
     if (t.milliseconds < best->milliseconds) best = &t;
   pick.implementation = best->implementation;
   pick.source = "measured now";
-  store_attention_pick(cache, device_key, shape.key(), pick);
+  if (stored) store_attention_pick(cache, device_key, shape.key(), pick);
   return pick;
 }
 
