@@ -28,8 +28,6 @@
 #         activation offload (L_PART=memtune) or Unsloth's one-step probe (L_PART=unsloth)
 #     m   issue 23: the own flash kernel's backward versions (v2, hopper) in training steps (configuration 1
 #         and 1 x 32768, alternately), cuDNN at 32768 beside them, after the Hopper backward's GPU tests
-#     n   issue 23: the Hopper backward's overlapped schedule: its GPU tests (both schedules), both in
-#         training steps (as m), compute-sanitizer on its packed-row test
 #     ab  a kernel change's call: the whole GPU test suite (TEST_FILTER, default all) and compute-sanitizer
 #         (AB_PARTS, default tests,sanitizer), then memtune's
 #         configurations 1 and 3 (AB_CONFIGS) with BIN_DIR and with BASE_BIN_DIR (required)
@@ -175,17 +173,6 @@ case "$CALL" in
     GTEST_FILTER=${TEST_FILTER:-'CudaHopperBackwardTest.*-*Timing*'} TEST_TIMEOUT=${TEST_TIMEOUT:-120} \
       check "$BIN_DIR" tests,attn-step
     ;;
-  n)
-    # Issue 23: the Hopper backward's overlapped schedule (MEMTUNE_FLASH_BACKWARD=hopper-overlap):
-    # its GPU tests (both schedules against the CPU, v2 and each other; the timing print with
-    # both), then both in training steps (configuration 1 twice, 1 x 32768, cuDNN beside), then
-    # compute-sanitizer on the packed-row test, which runs both schedules.
-    GTEST_FILTER=${TEST_FILTER:-'CudaHopperBackwardTest.*'} TEST_TIMEOUT=${TEST_TIMEOUT:-150} \
-      check "$BIN_DIR" tests
-    ATTN_STEP_BACKWARDS=${ATTN_STEP_BACKWARDS:-'hopper hopper-overlap'} check "$BIN_DIR" attn-step
-    SANITIZER_TIMEOUT=${SANITIZER_TIMEOUT:-120} SANITIZER_FILTER=${SANITIZER_FILTER:-'CudaHopperBackwardTest.PackedRowsMatchCpu'} \
-      check "$BIN_DIR" sanitizer-tests
-    ;;
   ab)
     : "${BASE_BIN_DIR:?device-peers ab: set BASE_BIN_DIR to the binaries to compare against}"
     AB_PARTS=${AB_PARTS:-tests,sanitizer}  # "-": only the A/B (the tests ran in a call before)
@@ -195,6 +182,6 @@ case "$CALL" in
       CONFIGS=${AB_CONFIGS:-qlora,lora16} CONFIG_STEPS=6 check "$BASE_BIN_DIR" configs
     done
     ;;
-  *) echo "device-peers: unknown call $CALL (a, b, c, d, e, f, g, h, k, l, m, n or ab)" >&2; exit 2 ;;
+  *) echo "device-peers: unknown call $CALL (a, b, c, d, e, f, g, h, k, l, m or ab)" >&2; exit 2 ;;
 esac
 echo "== $(date -u +%T) done" | tee -a "$OUT/dates.txt"

@@ -1,7 +1,6 @@
 // The Hopper backward of flash attention (attention_hopper.h; wgmma + TMA, sm_90a), the main pass
 // that the backend's flash backward runs in place of backward v2's where FlashVersions::
-// backward_hopper is set (the default), in both its schedules (FlashVersions::
-// backward_hopper_overlap): dq, dk and dv against the CPU backend's
+// backward_hopper is set (the default): dq, dk and dv against the CPU backend's
 // flash backward at odd shapes (seq 1 to 2,600, head_dim 64 and 128, GQA 32/8, 4/1 and 2/2, batch
 // 1 and 3, bf16 and f16), against backward v2 on the same device inputs over the whole grid of those
 // shapes, on packed rows against the CPU, what it refuses, and a timing print beside backward v2
@@ -35,17 +34,12 @@ using hopper::label;
 using hopper::relative_error;
 using hopper::segment_ids;
 
-// The current flash versions with the Hopper backward turned on or off, and its schedule.
-cuda::FlashVersions versions_with_hopper_backward(bool on, bool overlap = false) {
+// The current flash versions with the Hopper backward turned on or off.
+cuda::FlashVersions versions_with_hopper_backward(bool on) {
   cuda::FlashVersions versions = cuda::flash_versions();
   versions.backward_hopper = on;
-  versions.backward_hopper_overlap = overlap;
   return versions;
 }
-
-// The Hopper backward's two schedules, and their names in messages.
-constexpr bool kSchedules[] = {false, true};
-const char* schedule_name(bool overlap) { return overlap ? "overlapped" : "serial"; }
 
 struct Gradients {
   std::vector<float> dq, dk, dv;
@@ -73,12 +67,11 @@ class CudaHopperBackwardTest : public CudaTest {
     return cuda::flash_backward_tensors(b16, b16, b16, f32, f32, b16, b16, f32, b16, b16, b16);
   }
 
-  // The backend's flash backward with the Hopper backward on (in the given schedule) or off;
-  // outputs poisoned first.
+  // The backend's flash backward with the Hopper backward on or off; outputs poisoned first.
   Gradients backend_backward(bool hopper, DType type, const Config& c, const Tensor& d_out, const Tensor& out,
                              const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
-                             const Tensor& segments = Tensor{}, bool overlap = false) {
-    const FlashVersionsScope choice(versions_with_hopper_backward(hopper, overlap));
+                             const Tensor& segments = Tensor{}) {
+    const FlashVersionsScope choice(versions_with_hopper_backward(hopper));
     const AttentionDims dims = test::attention_dims_of(c);
     const Shape q_shape = q.shape, kv_shape = k.shape, rows{c.batch * c.heads * c.seq};
     DeviceTensor dq = poisoned(type, q_shape), dk = poisoned(type, kv_shape), dv = poisoned(type, kv_shape);
@@ -112,13 +105,10 @@ TEST_F(CudaHopperBackwardTest, BackwardMatchesCpu) {
 
       DeviceTensor q = upload(ref.q), k = upload(ref.k), v = upload(ref.v), d_out = upload(ref.d_out);
       DeviceTensor out = upload(ref.out), lse = upload(ref.lse);
-      for (const bool overlap : kSchedules) {
-        SCOPED_TRACE(schedule_name(overlap));
-        const Gradients hopper = backend_backward(true, type, c, d_out, out, lse, q, k, v, Tensor{}, overlap);
-        expect_close("hopper backward dq", hopper.dq, ref.dq.floats(), storage_tolerance(type));
-        expect_close("hopper backward dk", hopper.dk, ref.dk.floats(), storage_tolerance(type));
-        expect_close("hopper backward dv", hopper.dv, ref.dv.floats(), storage_tolerance(type));
-      }
+      const Gradients hopper = backend_backward(true, type, c, d_out, out, lse, q, k, v);
+      expect_close("hopper backward dq", hopper.dq, ref.dq.floats(), storage_tolerance(type));
+      expect_close("hopper backward dk", hopper.dk, ref.dk.floats(), storage_tolerance(type));
+      expect_close("hopper backward dv", hopper.dv, ref.dv.floats(), storage_tolerance(type));
     }
   EXPECT_EQ(cudaGetLastError(), cudaSuccess);
 }
@@ -189,15 +179,6 @@ TEST_F(CudaHopperBackwardTest, BackendBackwardMatchesV2AtOddShapes) {
             EXPECT_LT(relative_error(direct_dq, hopper.dq, finite), storage_tolerance(type))
                 << "direct dQ accumulator, rounded to " << dtype_name(type) << ", vs the backend's dq";
             EXPECT_TRUE(finite);
-
-            // The overlapped schedule: the same wgmmas on the same operands in the same order, so dk
-            // and dv equal the serial schedule's bit for bit; dq (atomics) within the tolerance.
-            const Gradients overlapped = backend_backward(true, type, c, d_out, out, lse, q, k, v, none, true);
-            EXPECT_TRUE(overlapped.dk == hopper.dk) << "overlapped dk differs from the serial schedule's";
-            EXPECT_TRUE(overlapped.dv == hopper.dv) << "overlapped dv differs from the serial schedule's";
-            finite = false;
-            EXPECT_LT(relative_error(overlapped.dq, hopper.dq, finite), storage_tolerance(type)) << "overlapped dq";
-            EXPECT_TRUE(finite) << "overlapped dq: non-finite values (unwritten or NaN)";
           }
   EXPECT_EQ(cudaGetLastError(), cudaSuccess);
 }
@@ -224,17 +205,14 @@ TEST_F(CudaHopperBackwardTest, PackedRowsMatchCpu) {
                                                                   lse, q, k, v);
         ASSERT_TRUE(cuda::flash_backward_hopper_serves(params_of(c, ids), t)) << "packed rows are served";
       }
+      const Gradients hopper = backend_backward(true, type, c, d_out, out, lse, q, k, v, ids);
+      expect_close("hopper packed dq", hopper.dq, ref.dq.floats(), storage_tolerance(type));
+      expect_close("hopper packed dk", hopper.dk, ref.dk.floats(), storage_tolerance(type));
+      expect_close("hopper packed dv", hopper.dv, ref.dv.floats(), storage_tolerance(type));
       const Gradients v2 = backend_backward(false, type, c, d_out, out, lse, q, k, v, ids);
-      for (const bool overlap : kSchedules) {
-        SCOPED_TRACE(schedule_name(overlap));
-        const Gradients hopper = backend_backward(true, type, c, d_out, out, lse, q, k, v, ids, overlap);
-        expect_close("hopper packed dq", hopper.dq, ref.dq.floats(), storage_tolerance(type));
-        expect_close("hopper packed dk", hopper.dk, ref.dk.floats(), storage_tolerance(type));
-        expect_close("hopper packed dv", hopper.dv, ref.dv.floats(), storage_tolerance(type));
-        expect_close("hopper packed dq vs v2", hopper.dq, v2.dq, storage_tolerance(type));
-        expect_close("hopper packed dk vs v2", hopper.dk, v2.dk, storage_tolerance(type));
-        expect_close("hopper packed dv vs v2", hopper.dv, v2.dv, storage_tolerance(type));
-      }
+      expect_close("hopper packed dq vs v2", hopper.dq, v2.dq, storage_tolerance(type));
+      expect_close("hopper packed dk vs v2", hopper.dk, v2.dk, storage_tolerance(type));
+      expect_close("hopper packed dv vs v2", hopper.dv, v2.dv, storage_tolerance(type));
     }
   EXPECT_EQ(cudaGetLastError(), cudaSuccess);
 }
@@ -330,24 +308,15 @@ TEST_F(CudaHopperBackwardTest, TimingPrintHopperBackward) {
     ASSERT_TRUE(cuda::flash_backward_hopper_serves(params_of(c), t)) << label(c, DType::bf16);
 
     auto time_ms = [](const std::function<void()>& run) { return median_event_ms(run, 3); };
-    double hopper = 0.0, v2 = 0.0, main_pass = 0.0;
+    double hopper = 0.0, v2 = 0.0;
     {
       const FlashVersionsScope on(versions_with_hopper_backward(true));
       hopper = time_ms([&] {
         gpu().attention_flash_backward(dq, dk, dv, delta, dq_accum, d_out, out, lse, q, k, v, none, dims);
       });
-      // The main pass alone, on the D and the (now dirty) accumulator of the last run: same work;
-      // here and below in both schedules.
-      main_pass = time_ms([&] { cuda::launch_flash_backward_hopper(params_of(c), t, nullptr); });
     }
-    double main_pass_overlap = 0.0, hopper_overlap = 0.0;
-    {
-      const FlashVersionsScope overlap(versions_with_hopper_backward(true, true));
-      main_pass_overlap = time_ms([&] { cuda::launch_flash_backward_hopper(params_of(c), t, nullptr); });
-      hopper_overlap = time_ms([&] {
-        gpu().attention_flash_backward(dq, dk, dv, delta, dq_accum, d_out, out, lse, q, k, v, none, dims);
-      });
-    }
+    // The main pass alone, on the D and the (now dirty) accumulator of the last run: same work.
+    const double main_pass = time_ms([&] { cuda::launch_flash_backward_hopper(params_of(c), t, nullptr); });
     {
       const FlashVersionsScope off(versions_with_hopper_backward(false));
       v2 = time_ms([&] {
@@ -376,8 +345,6 @@ TEST_F(CudaHopperBackwardTest, TimingPrintHopperBackward) {
     std::printf("TIMING attention backward %s causal (median of 7):\n", label(c, DType::bf16).c_str());
     std::printf("  hopper (wgmma+TMA)    %8.3f ms %7.1f TFLOP/s\n", hopper, tflops(hopper));
     std::printf("  hopper main pass only %8.3f ms %7.1f TFLOP/s\n", main_pass, tflops(main_pass));
-    std::printf("  hopper overlapped     %8.3f ms %7.1f TFLOP/s (main pass only %.3f ms, %.1f TFLOP/s)\n",
-                hopper_overlap, tflops(hopper_overlap), main_pass_overlap, tflops(main_pass_overlap));
     std::printf("  v2 (mma.sync)         %8.3f ms %7.1f TFLOP/s\n", v2, tflops(v2));
     if (cudnn > 0.0) std::printf("  cudnn                 %8.3f ms %7.1f TFLOP/s\n", cudnn, tflops(cudnn));
 

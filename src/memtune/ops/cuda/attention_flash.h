@@ -15,11 +15,6 @@ struct FlashVersions {
                                         // it serves the call, else backward v2's; false: v2 always.
                                         // 1.06-1.68x backward v2 on an H100 (bench/NOTES.md).
                                         // MEMTUNE_FLASH_BACKWARD=v2 sets the start value false
-  bool backward_hopper_overlap = false;  // the Hopper backward's overlapped schedule: S^T and dP^T
-                                         // in two wgmma groups (P computed while dP^T runs), dV's
-                                         // wgmmas under dS^T's arithmetic, dK's through the barrier
-                                         // before dQ; false: each group waited for at once.
-                                         // MEMTUNE_FLASH_BACKWARD=hopper-overlap sets it true
   int forward_keys = 0;                 // keys per block: 32 or 64 (where shared memory allows),
                                         // 0 the default; MEMTUNE_FLASH_FWD_KEYS sets the start value
   bool forward_grid_per_head = false;   // heaviest query blocks first per head, not grid-wide

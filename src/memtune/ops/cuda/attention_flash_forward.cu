@@ -575,30 +575,16 @@ std::atomic<bool>& forward_hopper_flag() {
   return flag;
 }
 
-// MEMTUNE_FLASH_BACKWARD, read once: unset or "hopper" (the Hopper backward, serial schedule),
-// "hopper-overlap" (the Hopper backward, overlapped schedule) or "v2". Any other value aborts, as
-// for MEMTUNE_FLASH_FORWARD.
-const char* backward_environment() {
-  static const char* const value = [] {
-    const char* v = std::getenv("MEMTUNE_FLASH_BACKWARD");
-    if (v == nullptr || std::strcmp(v, "hopper") == 0) return "hopper";
-    if (std::strcmp(v, "hopper-overlap") == 0) return "hopper-overlap";
-    if (std::strcmp(v, "v2") == 0) return "v2";
-    cuda_check_failed("getenv(\"MEMTUNE_FLASH_BACKWARD\")", "environment",
-                      "MEMTUNE_FLASH_BACKWARD takes v2, hopper or hopper-overlap", __FILE__, __LINE__);
-  }();
-  return value;
-}
-
-// Whether the Hopper backward may run (MEMTUNE_FLASH_BACKWARD=v2: no).
+// Whether the Hopper backward may run (MEMTUNE_FLASH_BACKWARD=v2: no; hopper or unset: yes); read
+// once. Any other value aborts, as for MEMTUNE_FLASH_FORWARD.
 std::atomic<bool>& backward_hopper_flag() {
-  static std::atomic<bool> flag{std::strcmp(backward_environment(), "v2") != 0};
-  return flag;
-}
-
-// Whether it runs its overlapped schedule (MEMTUNE_FLASH_BACKWARD=hopper-overlap).
-std::atomic<bool>& backward_overlap_flag() {
-  static std::atomic<bool> flag{std::strcmp(backward_environment(), "hopper-overlap") == 0};
+  static std::atomic<bool> flag{[] {
+    const char* value = std::getenv("MEMTUNE_FLASH_BACKWARD");
+    if (value == nullptr || std::strcmp(value, "hopper") == 0) return true;
+    if (std::strcmp(value, "v2") == 0) return false;
+    cuda_check_failed("getenv(\"MEMTUNE_FLASH_BACKWARD\")", "environment", "MEMTUNE_FLASH_BACKWARD takes v2 or hopper",
+                      __FILE__, __LINE__);
+  }()};
   return flag;
 }
 
@@ -633,7 +619,6 @@ FlashVersions flash_versions() {
   FlashVersions versions;
   versions.forward_hopper = forward_hopper_flag().load(std::memory_order_relaxed);
   versions.backward_hopper = backward_hopper_flag().load(std::memory_order_relaxed);
-  versions.backward_hopper_overlap = backward_overlap_flag().load(std::memory_order_relaxed);
   versions.forward_keys = forward_keys_value().load(std::memory_order_relaxed);
   versions.forward_grid_per_head = forward_grid_per_head_flag().load(std::memory_order_relaxed);
   versions.forward_rescale_always = forward_rescale_always_flag().load(std::memory_order_relaxed);
@@ -644,7 +629,6 @@ FlashVersions flash_versions() {
 void set_flash_versions(const FlashVersions& versions) {
   forward_hopper_flag().store(versions.forward_hopper, std::memory_order_relaxed);
   backward_hopper_flag().store(versions.backward_hopper, std::memory_order_relaxed);
-  backward_overlap_flag().store(versions.backward_hopper_overlap, std::memory_order_relaxed);
   forward_keys_value().store(versions.forward_keys, std::memory_order_relaxed);
   forward_grid_per_head_flag().store(versions.forward_grid_per_head, std::memory_order_relaxed);
   forward_rescale_always_flag().store(versions.forward_rescale_always, std::memory_order_relaxed);

@@ -28,28 +28,19 @@
 //  - dS^T is double-buffered in shared memory, so one __syncthreads per query block suffices: it
 //    publishes this block's dS^T (and the next stage's lse/D) and tells thread 0 that the other
 //    stage is free.
-//  - Two schedules of a query block's wgmmas (kOverlap; FlashVersions::backward_hopper_overlap).
-//    Serial: S^T and dP^T one group, waited for; then dV and dK one group, waited for; then dQ.
-//    Overlapped, within the query block: S^T and dP^T are two groups, and P^T is computed once
-//    S^T's is done while dP^T's wgmmas still run; dV's wgmmas are issued as soon as P^T is packed
-//    and run under dS^T's arithmetic and its stores; dK's run on through the barrier and are
-//    completed by dQ's wait. Same wgmmas on the same operands in the same order: dK and dV are
-//    bit-identical between the two.
-// Not done yet (FA3's later steps): a producer warp with setmaxnreg, overlap across query blocks
-// (the next block's S^T and dP^T under this block's softmax; 240 live registers at head_dim 128
-// leave no room for a second S^T/dP^T), dQ through shared memory and a TMA reduce-add
-// (cp.reduce.async.bulk) from a separate warp instead of per-thread vector reductions,
-// deterministic dQ, and 2 blocks an SM at head_dim 64.
+// Not done yet (FA3's later steps): a producer warp with setmaxnreg, overlap of one query block's
+// softmax with the next block's GEMMs (every wgmma group is waited for before its results are
+// used), dQ through shared memory and a TMA reduce-add (cp.reduce.async.bulk) from a separate
+// warp instead of per-thread vector reductions, deterministic dQ, and 2 blocks an SM at head_dim 64.
 //
 // Shared memory (from a 1024-aligned base): K and V [chunks][128 keys][128 bytes] each; two stages
 // of Q and dO [chunks][64 queries][128 bytes]; two dS^T buffers [128 keys][64 queries x 2 bytes]
 // (one swizzled 128-byte row a key); the stages' lse, D and ids (f32/i32 [2][3][64]); the
 // mbarriers; segment_reach's scratch: 163.1 KiB at head_dim 128, 99.1 KiB at 64 (with the 1 KiB
-// of alignment slack). ptxas (CUDA 13.0), serial / overlapped: 240 / 241 registers at head_dim 128
-// (246 / 244 on packed rows), 192 / 183 (194 / 184) at 64, no spills, no serialised wgmma.
+// of alignment slack). ptxas (CUDA 13.0): 240 registers at head_dim 128 (246 on packed rows), 196
+// (197) at 64, no spills.
 #include <climits>
 
-#include "memtune/ops/cuda/attention_flash.h"
 #include "memtune/ops/cuda/attention_flash_tiles.cuh"
 #include "memtune/ops/cuda/attention_hopper.h"
 #include "memtune/ops/cuda/attention_hopper_common.cuh"
@@ -127,7 +118,7 @@ __device__ __forceinline__ void dq_product(float (&acc)[kChunkColumns / 2], uint
 // __launch_bounds__(256, 1): one block an SM, so ptxas may give each thread up to 255 registers
 // (at head_dim 128 the dK and dV accumulators alone take 128). kSegments: packed rows
 // (args.segments): a query sees a key only where their ids are equal.
-template <int D, bool kBf16, bool kSegments, bool kOverlap>
+template <int D, bool kBf16, bool kSegments>
 __global__ void __launch_bounds__(kBackwardThreads, 1)
     flash_backward_hopper(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
                           const __grid_constant__ CUtensorMap v_map, const __grid_constant__ CUtensorMap do_map,
@@ -261,13 +252,9 @@ __global__ void __launch_bounds__(kBackwardThreads, 1)
     const bool upper_seen = k0 + kWarpgroupRows < seen_end;
     const bool active = wg_k0 < seen_end;
 
-    // P^T and dS^T of this item in 16 bits, the A fragments of the dV and dK wgmmas (declared here:
-    // overlapped, those wgmmas still read them after the `if` below).
-    uint32_t p[kBackwardQueries / 16][4], ds[kBackwardQueries / 16][4];
     mbarrier_wait(kv_full + 8 * (1 + stage), parity);
     if (active) {
-      // S^T = K Q^T and dP^T = V dO^T, 64 keys x 64 queries each. Serial: one commit group, waited
-      // for at once. Overlapped: two groups, so that P is computed while dP^T's wgmmas still run.
+      // S^T = K Q^T and dP^T = V dO^T, 64 keys x 64 queries each, one commit group.
       float s[kBackwardQueries / 2], dp[kBackwardQueries / 2];
       const uint64_t q_rows = swizzled_descriptor(q_tile, 16, kSwizzlePeriodBytes);
       const uint64_t do_rows = swizzled_descriptor(do_tile, 16, kSwizzlePeriodBytes);
@@ -280,7 +267,6 @@ __global__ void __launch_bounds__(kBackwardThreads, 1)
         const uint32_t b_step = (kk / 4) * L::kQChunkBytes + (kk % 4) * 32;
         wgmma_m64_shared<kBackwardQueries, kBf16>(s, k_rows + (a_step >> 4), q_rows + (b_step >> 4), kk > 0);
       }
-      if constexpr (kOverlap) wgmma_commit();
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) {
         const uint32_t a_step = (kk / 4) * L::kKvChunkBytes + (kk % 4) * 32;
@@ -288,13 +274,9 @@ __global__ void __launch_bounds__(kBackwardThreads, 1)
         wgmma_m64_shared<kBackwardQueries, kBf16>(dp, v_rows + (a_step >> 4), do_rows + (b_step >> 4), kk > 0);
       }
       wgmma_commit();
-      if constexpr (kOverlap) {
-        wgmma_wait<1>();  // S^T is done; dP^T may still run
-      } else {
-        wgmma_wait_all();
-        pin_registers(dp);
-      }
+      wgmma_wait_all();
       pin_registers(s);
+      pin_registers(dp);
 
       // P^T, masked: causality (query col sees key r iff key <= query), queries past seq (their
       // zero-filled lse would give P = 1), and on packed rows other segments. Masked scores become
@@ -317,64 +299,34 @@ __global__ void __launch_bounds__(kBackwardThreads, 1)
             if (!see_b) s[4 * nt + 2 + e] = -INFINITY;
           }
       }
-      // P^T = exp2(S^T scale log2 e - lse log2 e) (one FFMA and one ex2 each, as the forward).
-#pragma unroll
-      for (int nt = 0; nt < kBackwardQueries / 8; ++nt)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float lse_log2 = lse_tile[nt * 8 + 2 * thread_in_group + e] * kLog2e;
-#pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            const int i = 4 * nt + 2 * half + e;
-            s[i] = exp2_approx(fmaf(s[i], args.scale_log2, -lse_log2));
-          }
-        }
-      // P^T in 16 bits (dS^T below the same way): k-step kc (queries 16 kc .. 16 kc + 15) is the C
-      // fragments of n8 tiles 2 kc and 2 kc + 1.
-#pragma unroll
-      for (int kc = 0; kc < kBackwardQueries / 16; ++kc)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) p[kc][j] = pack2<kBf16>(s[8 * kc + 2 * j], s[8 * kc + 2 * j + 1]);
-      // dV += P^T dO and dK += dS^T Q: dO and Q are [query][head_dim], the N-major form of B (16
-      // queries x head_dim), k-step kc 16 rows (2048 bytes, two swizzle periods) further; the
-      // leading byte offset is the distance between 64-column chunks.
-      const uint64_t do_columns = swizzled_descriptor(do_tile, L::kQChunkBytes, kSwizzlePeriodBytes);
-      const uint64_t q_columns = swizzled_descriptor(q_tile, L::kQChunkBytes, kSwizzlePeriodBytes);
-      auto issue_dv = [&] {
-        pin_registers(p);
-        pin_registers(dv);
-        wgmma_fence();
-#pragma unroll
-        for (int kc = 0; kc < kBackwardQueries / 16; ++kc)
-          wgmma_m64_registers<D, kBf16>(dv, p[kc], do_columns + ((kc * 16 * kSwizzleRowBytes) >> 4));
-      };
-      if constexpr (kOverlap) {
-        // dV's wgmmas start now and run under dS^T's arithmetic; dP^T is complete after the wait
-        // (its group is older than dV's).
-        issue_dv();
-        wgmma_commit();
-        wgmma_wait<1>();
-        pin_registers(dp);
-      }
+      // P^T = exp2(S^T scale log2 e - lse log2 e) (one FFMA and one ex2 each, as the forward);
       // dS^T = P^T (dP^T - D) scale, in place of dP^T.
 #pragma unroll
       for (int nt = 0; nt < kBackwardQueries / 8; ++nt)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          const float delta = delta_tile[nt * 8 + 2 * thread_in_group + e];
+          const int column = nt * 8 + 2 * thread_in_group + e;
+          const float lse_log2 = lse_tile[column] * kLog2e, delta = delta_tile[column];
 #pragma unroll
           for (int half = 0; half < 2; ++half) {
             const int i = 4 * nt + 2 * half + e;
+            s[i] = exp2_approx(fmaf(s[i], args.scale_log2, -lse_log2));
             dp[i] = s[i] * (dp[i] - delta) * args.scale;
           }
         }
+      // Both in 16 bits as wgmma's A fragments: k-step kc (queries 16 kc .. 16 kc + 15) is the
+      // C fragments of n8 tiles 2 kc and 2 kc + 1.
+      uint32_t p[kBackwardQueries / 16][4], ds[kBackwardQueries / 16][4];
 #pragma unroll
       for (int kc = 0; kc < kBackwardQueries / 16; ++kc)
 #pragma unroll
-        for (int j = 0; j < 4; ++j) ds[kc][j] = pack2<kBf16>(dp[8 * kc + 2 * j], dp[8 * kc + 2 * j + 1]);
+        for (int j = 0; j < 4; ++j) {
+          p[kc][j] = pack2<kBf16>(s[8 * kc + 2 * j], s[8 * kc + 2 * j + 1]);
+          ds[kc][j] = pack2<kBf16>(dp[8 * kc + 2 * j], dp[8 * kc + 2 * j + 1]);
+        }
       // dS^T into this item's buffer for dQ (the 128-byte swizzle, rows = keys; the 4-byte stores
-      // of a warp hit 32 different banks, as the forward's epilogue), before the wgmma below takes
-      // the registers (their A registers may not be read until it completes).
+      // of a warp hit 32 different banks, as the forward's epilogue), before the wgmmas below
+      // take the registers (their A registers may not be read until they complete).
 #pragma unroll
       for (int nt = 0; nt < kBackwardQueries / 8; ++nt) {
         const uint32_t packed_a = ds[nt / 2][(nt % 2) * 2], packed_b = ds[nt / 2][(nt % 2) * 2 + 1];
@@ -384,21 +336,26 @@ __global__ void __launch_bounds__(kBackwardThreads, 1)
         *reinterpret_cast<uint32_t*>(tile + row_b * kSwizzleRowBytes + ((nt ^ (row_b % 8)) * 16) + thread_in_group * 4) =
             packed_b;
       }
-      if constexpr (!kOverlap) issue_dv();  // one group with dK's, as before
+      // dV += P^T dO and dK += dS^T Q: dO and Q are [query][head_dim], the N-major form of B (16
+      // queries x head_dim), k-step kc 16 rows (2048 bytes, two swizzle periods) further; the
+      // leading byte offset is the distance between 64-column chunks.
+      const uint64_t do_columns = swizzled_descriptor(do_tile, L::kQChunkBytes, kSwizzlePeriodBytes);
+      const uint64_t q_columns = swizzled_descriptor(q_tile, L::kQChunkBytes, kSwizzlePeriodBytes);
+      pin_registers(p);
       pin_registers(ds);
+      pin_registers(dv);
       pin_registers(dk);
       wgmma_fence();
 #pragma unroll
       for (int kc = 0; kc < kBackwardQueries / 16; ++kc)
+        wgmma_m64_registers<D, kBf16>(dv, p[kc], do_columns + ((kc * 16 * kSwizzleRowBytes) >> 4));
+#pragma unroll
+      for (int kc = 0; kc < kBackwardQueries / 16; ++kc)
         wgmma_m64_registers<D, kBf16>(dk, ds[kc], q_columns + ((kc * 16 * kSwizzleRowBytes) >> 4));
       wgmma_commit();
-      // Overlapped: dK's (and perhaps dV's) wgmmas run on through the barrier below; dQ's wait
-      // (or the one after it) completes them.
-      if constexpr (!kOverlap) {
-        wgmma_wait_all();
-        pin_registers(dv);
-        pin_registers(dk);
-      }
+      wgmma_wait_all();
+      pin_registers(dv);
+      pin_registers(dk);
     }
     // The next stage's lse / D / ids have landed (this thread's copies); dS^T's generic-proxy
     // stores must be visible to the wgmma (async proxy) reads below: fence, then the barrier that
@@ -440,17 +397,6 @@ __global__ void __launch_bounds__(kBackwardThreads, 1)
         if (query_a < seq) reduce_add_pair(dq_a + nt * 8, acc[4 * nt], acc[4 * nt + 1]);
         if (query_b < seq) reduce_add_pair(dq_b + nt * 8, acc[4 * nt + 2], acc[4 * nt + 3]);
       }
-    }
-    if constexpr (kOverlap) {
-      // dK and dV of this item are complete before the next item's wgmmas read or add to them
-      // (dq_product's wait has done it wherever dQ ran; a no-op there).
-      wgmma_wait_all();
-      pin_registers(dv);
-      pin_registers(dk);
-      // Uses after the wait: the compiler keeps the A fragments unchanged until the wgmmas that
-      // read them asynchronously are done (the accumulators' pins do the same for dv and dk).
-      pin_registers(p);
-      pin_registers(ds);
     }
   }
 
@@ -505,17 +451,12 @@ bool launch_backward(const AttentionParams& p, const FlashTensors& t, cudaStream
   args.segments = p.segments;
   const unsigned blocks =
       static_cast<unsigned>((p.seq + kBackwardKeys - 1) / kBackwardKeys * p.n_kv_heads * p.batch);
-  // The four kernels of this head_dim and type: packed rows or not, the overlapped schedule or not.
-  auto launch = [&](auto kernel) {
-    allow_shared(kernel, bytes);
-    kernel<<<blocks, kBackwardThreads, bytes, stream>>>(q_map, k_map, v_map, do_map, args);
-  };
-  const bool overlap = flash_versions().backward_hopper_overlap;
   if (p.segments != nullptr) {
-    overlap ? launch(flash_backward_hopper<D, kBf16, true, true>) : launch(flash_backward_hopper<D, kBf16, true, false>);
+    allow_shared(flash_backward_hopper<D, kBf16, true>, bytes);
+    flash_backward_hopper<D, kBf16, true><<<blocks, kBackwardThreads, bytes, stream>>>(q_map, k_map, v_map, do_map, args);
   } else {
-    overlap ? launch(flash_backward_hopper<D, kBf16, false, true>)
-            : launch(flash_backward_hopper<D, kBf16, false, false>);
+    allow_shared(flash_backward_hopper<D, kBf16, false>, bytes);
+    flash_backward_hopper<D, kBf16, false><<<blocks, kBackwardThreads, bytes, stream>>>(q_map, k_map, v_map, do_map, args);
   }
   MT_CUDA_CHECK_LAUNCH();
   return true;
@@ -537,7 +478,7 @@ bool flash_backward_hopper_serves(const AttentionParams& p, const FlashTensors& 
   // 32-bit coordinates and block arithmetic; one grid dimension.
   const int64_t blocks = (p.seq + kBackwardKeys - 1) / kBackwardKeys * p.n_kv_heads * p.batch;
   if (p.seq > INT_MAX - kBackwardKeys || p.n_heads > INT_MAX || blocks > INT_MAX) return false;
-  return hopper_kernel_runs_here<flash_backward_hopper<128, true, false, false>>();
+  return hopper_kernel_runs_here<flash_backward_hopper<128, true, false>>();
 }
 
 bool launch_flash_backward_hopper(const AttentionParams& p, const FlashTensors& t, cudaStream_t stream) {
