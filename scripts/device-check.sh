@@ -10,6 +10,10 @@
 #       sanitizer  compute-sanitizer memcheck and racecheck on a short training run
 #       sanitizer-tests  compute-sanitizer memcheck and racecheck on the GPU tests of SANITIZER_FILTER
 #                  (default: the Hopper forward's correctness tests), SANITIZER_TIMEOUT (150 s) each
+#       ncu-attn   Nsight Compute (--set full, --clock-control none) on one launch of the Hopper
+#                  backward's main pass and one of cuDNN's backward kernels a shape of NCU_SHAPES
+#                  (default "b8_s2048_d128 b2_s8192_d128"), picked by the NVTX ranges of
+#                  CudaHopperBackwardTest.TimingPrintHopperBackward; NCU_TIMEOUT (240 s) a run
 #       ladder     the memory ladder, Llama-3.1-8B architecture (random weights), b2 x 2048
 #       ladder-offload  the same ladder with --offload_activations (the checkpointing rungs keep
 #                  their checkpointed layer inputs in pinned host memory), into ladder-offload/
@@ -418,6 +422,25 @@ if has_part configs; then
     timed_train "$C" "$name" "${CONFIG_TIMEOUT:-150}" $args --max_steps "${CONFIG_STEPS:-6}"
   done
   rm -f "$cdata"
+fi
+
+# Where the Hopper backward's time goes (issue 23): hardware counters of one launch of its main
+# pass and of cuDNN's backward at the same shape, from the timing test's NVTX range for that shape.
+# "No kernels were profiled" in a log means the range or the kernel name did not match.
+if has_part ncu-attn; then
+  stamp ncu-attn
+  for shape in ${NCU_SHAPES:-b8_s2048_d128 b2_s8192_d128}; do
+    for which in "hopper|regex:flash_backward_hopper" "cudnn|regex:(sdpa|fmha|bprop|dgrad)"; do
+      name=${which%%|*}; kernels=${which#*|}
+      timeout "${NCU_TIMEOUT:-240}" ncu --clock-control none --set full --nvtx --nvtx-include "hopper_bwd_$shape/" \
+        -k "$kernels" --launch-count 1 "$BIN_DIR/memtune_gpu_tests" \
+        --gtest_filter=CudaHopperBackwardTest.TimingPrintHopperBackward > "$WORK/ncu-$name-$shape.txt" 2>&1
+      rc=$?
+      echo "ncu $name $shape: exit $rc (124: timed out); $(grep -cE '^  [A-Za-z].*\(' "$WORK/ncu-$name-$shape.txt") kernel lines;" \
+           "$(grep -m1 -E 'Duration' "$WORK/ncu-$name-$shape.txt" | tr -s ' ')"
+      grep -m3 -E "No kernels were profiled|==ERROR==" "$WORK/ncu-$name-$shape.txt"
+    done
+  done
 fi
 
 # The own flash kernel's versions in a step (see the part list above): the same run under each

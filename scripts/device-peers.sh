@@ -28,6 +28,8 @@
 #         activation offload (L_PART=memtune) or Unsloth's one-step probe (L_PART=unsloth)
 #     m   issue 23: the own flash kernel's backward versions (v2, hopper) in training steps (configuration 1
 #         and 1 x 32768, alternately), cuDNN at 32768 beside them, after the Hopper backward's GPU tests
+#     n   issue 23: the Hopper backward with dQ by 4-float reductions: its GPU tests (both ways), both
+#         in training steps (as m), compute-sanitizer on its packed-row test, Nsight Compute (ncu-attn)
 #     ab  a kernel change's call: the whole GPU test suite (TEST_FILTER, default all) and compute-sanitizer
 #         (AB_PARTS, default tests,sanitizer), then memtune's
 #         configurations 1 and 3 (AB_CONFIGS) with BIN_DIR and with BASE_BIN_DIR (required)
@@ -173,6 +175,18 @@ case "$CALL" in
     GTEST_FILTER=${TEST_FILTER:-'CudaHopperBackwardTest.*-*Timing*'} TEST_TIMEOUT=${TEST_TIMEOUT:-120} \
       check "$BIN_DIR" tests,attn-step
     ;;
+  n)
+    # Issue 23: the Hopper backward with dQ by 4-float reductions (MEMTUNE_FLASH_BACKWARD=hopper-dq4):
+    # its GPU tests (both ways against the CPU, v2 and each other; the timing print with both),
+    # both in training steps (configuration 1 twice, 1 x 32768, cuDNN beside), compute-sanitizer
+    # on the packed-row test (both ways), then Nsight Compute on the main pass and cuDNN's backward.
+    GTEST_FILTER=${TEST_FILTER:-'CudaHopperBackwardTest.*'} TEST_TIMEOUT=${TEST_TIMEOUT:-150} \
+      check "$BIN_DIR" tests
+    ATTN_STEP_BACKWARDS=${ATTN_STEP_BACKWARDS:-'hopper hopper-dq4'} check "$BIN_DIR" attn-step
+    SANITIZER_TIMEOUT=${SANITIZER_TIMEOUT:-120} SANITIZER_FILTER=${SANITIZER_FILTER:-'CudaHopperBackwardTest.PackedRowsMatchCpu'} \
+      check "$BIN_DIR" sanitizer-tests
+    check "$BIN_DIR" ncu-attn
+    ;;
   ab)
     : "${BASE_BIN_DIR:?device-peers ab: set BASE_BIN_DIR to the binaries to compare against}"
     AB_PARTS=${AB_PARTS:-tests,sanitizer}  # "-": only the A/B (the tests ran in a call before)
@@ -182,6 +196,6 @@ case "$CALL" in
       CONFIGS=${AB_CONFIGS:-qlora,lora16} CONFIG_STEPS=6 check "$BASE_BIN_DIR" configs
     done
     ;;
-  *) echo "device-peers: unknown call $CALL (a, b, c, d, e, f, g, h, k, l, m or ab)" >&2; exit 2 ;;
+  *) echo "device-peers: unknown call $CALL (a, b, c, d, e, f, g, h, k, l, m, n or ab)" >&2; exit 2 ;;
 esac
 echo "== $(date -u +%T) done" | tee -a "$OUT/dates.txt"

@@ -1,12 +1,14 @@
 // The Hopper backward of flash attention (attention_hopper.h; wgmma + TMA, sm_90a), the main pass
 // that the backend's flash backward runs in place of backward v2's where FlashVersions::
-// backward_hopper is set (the default): dq, dk and dv against the CPU backend's
+// backward_hopper is set (the default), with dQ added both ways (FlashVersions::
+// backward_hopper_dq_quads): dq, dk and dv against the CPU backend's
 // flash backward at odd shapes (seq 1 to 2,600, head_dim 64 and 128, GQA 32/8, 4/1 and 2/2, batch
 // 1 and 3, bf16 and f16), against backward v2 on the same device inputs over the whole grid of those
 // shapes, on packed rows against the CPU, what it refuses, and a timing print beside backward v2
 // and cuDNN. Skips without a GPU, on devices other than compute capability 9.0, and in builds
 // without its sm_90a kernel.
 #include <cuda_runtime.h>
+#include <nvtx3/nvToolsExt.h>
 
 #include <algorithm>
 #include <cmath>
@@ -34,12 +36,17 @@ using hopper::label;
 using hopper::relative_error;
 using hopper::segment_ids;
 
-// The current flash versions with the Hopper backward turned on or off.
-cuda::FlashVersions versions_with_hopper_backward(bool on) {
+// The current flash versions with the Hopper backward turned on or off, and how it adds dQ.
+cuda::FlashVersions versions_with_hopper_backward(bool on, bool quads = false) {
   cuda::FlashVersions versions = cuda::flash_versions();
   versions.backward_hopper = on;
+  versions.backward_hopper_dq_quads = quads;
   return versions;
 }
+
+// The Hopper backward's two ways of adding dQ, and their names in messages.
+constexpr bool kDqModes[] = {false, true};
+const char* dq_mode_name(bool quads) { return quads ? "dQ by 4-float reductions" : "dQ by 2-float reductions"; }
 
 struct Gradients {
   std::vector<float> dq, dk, dv;
@@ -67,11 +74,12 @@ class CudaHopperBackwardTest : public CudaTest {
     return cuda::flash_backward_tensors(b16, b16, b16, f32, f32, b16, b16, f32, b16, b16, b16);
   }
 
-  // The backend's flash backward with the Hopper backward on or off; outputs poisoned first.
+  // The backend's flash backward with the Hopper backward on (dQ added either way) or off;
+  // outputs poisoned first.
   Gradients backend_backward(bool hopper, DType type, const Config& c, const Tensor& d_out, const Tensor& out,
                              const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
-                             const Tensor& segments = Tensor{}) {
-    const FlashVersionsScope choice(versions_with_hopper_backward(hopper));
+                             const Tensor& segments = Tensor{}, bool quads = false) {
+    const FlashVersionsScope choice(versions_with_hopper_backward(hopper, quads));
     const AttentionDims dims = test::attention_dims_of(c);
     const Shape q_shape = q.shape, kv_shape = k.shape, rows{c.batch * c.heads * c.seq};
     DeviceTensor dq = poisoned(type, q_shape), dk = poisoned(type, kv_shape), dv = poisoned(type, kv_shape);
@@ -105,10 +113,13 @@ TEST_F(CudaHopperBackwardTest, BackwardMatchesCpu) {
 
       DeviceTensor q = upload(ref.q), k = upload(ref.k), v = upload(ref.v), d_out = upload(ref.d_out);
       DeviceTensor out = upload(ref.out), lse = upload(ref.lse);
-      const Gradients hopper = backend_backward(true, type, c, d_out, out, lse, q, k, v);
-      expect_close("hopper backward dq", hopper.dq, ref.dq.floats(), storage_tolerance(type));
-      expect_close("hopper backward dk", hopper.dk, ref.dk.floats(), storage_tolerance(type));
-      expect_close("hopper backward dv", hopper.dv, ref.dv.floats(), storage_tolerance(type));
+      for (const bool quads : kDqModes) {
+        SCOPED_TRACE(dq_mode_name(quads));
+        const Gradients hopper = backend_backward(true, type, c, d_out, out, lse, q, k, v, Tensor{}, quads);
+        expect_close("hopper backward dq", hopper.dq, ref.dq.floats(), storage_tolerance(type));
+        expect_close("hopper backward dk", hopper.dk, ref.dk.floats(), storage_tolerance(type));
+        expect_close("hopper backward dv", hopper.dv, ref.dv.floats(), storage_tolerance(type));
+      }
     }
   EXPECT_EQ(cudaGetLastError(), cudaSuccess);
 }
@@ -179,6 +190,15 @@ TEST_F(CudaHopperBackwardTest, BackendBackwardMatchesV2AtOddShapes) {
             EXPECT_LT(relative_error(direct_dq, hopper.dq, finite), storage_tolerance(type))
                 << "direct dQ accumulator, rounded to " << dtype_name(type) << ", vs the backend's dq";
             EXPECT_TRUE(finite);
+
+            // dQ by 4-float reductions: dk and dv are not touched by the change (bit for bit); dq
+            // (atomics, in another order) within the tolerance of the 2-float one's.
+            const Gradients quads = backend_backward(true, type, c, d_out, out, lse, q, k, v, none, true);
+            EXPECT_TRUE(quads.dk == hopper.dk) << "dk differs with dQ by 4-float reductions";
+            EXPECT_TRUE(quads.dv == hopper.dv) << "dv differs with dQ by 4-float reductions";
+            finite = false;
+            EXPECT_LT(relative_error(quads.dq, hopper.dq, finite), storage_tolerance(type)) << "dq by 4-float reductions";
+            EXPECT_TRUE(finite) << "dq by 4-float reductions: non-finite values (unwritten or NaN)";
           }
   EXPECT_EQ(cudaGetLastError(), cudaSuccess);
 }
@@ -205,14 +225,17 @@ TEST_F(CudaHopperBackwardTest, PackedRowsMatchCpu) {
                                                                   lse, q, k, v);
         ASSERT_TRUE(cuda::flash_backward_hopper_serves(params_of(c, ids), t)) << "packed rows are served";
       }
-      const Gradients hopper = backend_backward(true, type, c, d_out, out, lse, q, k, v, ids);
-      expect_close("hopper packed dq", hopper.dq, ref.dq.floats(), storage_tolerance(type));
-      expect_close("hopper packed dk", hopper.dk, ref.dk.floats(), storage_tolerance(type));
-      expect_close("hopper packed dv", hopper.dv, ref.dv.floats(), storage_tolerance(type));
       const Gradients v2 = backend_backward(false, type, c, d_out, out, lse, q, k, v, ids);
-      expect_close("hopper packed dq vs v2", hopper.dq, v2.dq, storage_tolerance(type));
-      expect_close("hopper packed dk vs v2", hopper.dk, v2.dk, storage_tolerance(type));
-      expect_close("hopper packed dv vs v2", hopper.dv, v2.dv, storage_tolerance(type));
+      for (const bool quads : kDqModes) {
+        SCOPED_TRACE(dq_mode_name(quads));
+        const Gradients hopper = backend_backward(true, type, c, d_out, out, lse, q, k, v, ids, quads);
+        expect_close("hopper packed dq", hopper.dq, ref.dq.floats(), storage_tolerance(type));
+        expect_close("hopper packed dk", hopper.dk, ref.dk.floats(), storage_tolerance(type));
+        expect_close("hopper packed dv", hopper.dv, ref.dv.floats(), storage_tolerance(type));
+        expect_close("hopper packed dq vs v2", hopper.dq, v2.dq, storage_tolerance(type));
+        expect_close("hopper packed dk vs v2", hopper.dk, v2.dk, storage_tolerance(type));
+        expect_close("hopper packed dv vs v2", hopper.dv, v2.dv, storage_tolerance(type));
+      }
     }
   EXPECT_EQ(cudaGetLastError(), cudaSuccess);
 }
@@ -286,6 +309,14 @@ TEST_F(CudaHopperBackwardTest, RefusesWhatItDoesNotServe) {
 TEST_F(CudaHopperBackwardTest, TimingPrintHopperBackward) {
   for (const Config c : {Config{8, 2048, 32, 8, 128}, Config{2, 8192, 32, 8, 128}, Config{1, 32768, 32, 8, 128},
                          Config{8, 2048, 32, 8, 64}}) {
+    // An NVTX range a shape, for Nsight Compute to pick its kernels by (device-check's ncu-attn:
+    // --nvtx --nvtx-include "hopper_bwd_b2_s8192_d128/"); a no-op without a tool attached.
+    const std::string range = "hopper_bwd_b" + std::to_string(c.batch) + "_s" + std::to_string(c.seq) + "_d" +
+                              std::to_string(c.head_dim);
+    nvtxRangePushA(range.c_str());
+    struct PopRange {
+      ~PopRange() { nvtxRangePop(); }
+    } pop_range;
     const AttentionDims dims = test::attention_dims_of(c);
     const int64_t n = c.batch * c.seq;
     const Shape q_shape{n, c.heads * c.head_dim}, kv_shape{n, c.kv_heads * c.head_dim}, rows{c.batch * c.heads * c.seq};
@@ -308,15 +339,24 @@ TEST_F(CudaHopperBackwardTest, TimingPrintHopperBackward) {
     ASSERT_TRUE(cuda::flash_backward_hopper_serves(params_of(c), t)) << label(c, DType::bf16);
 
     auto time_ms = [](const std::function<void()>& run) { return median_event_ms(run, 3); };
-    double hopper = 0.0, v2 = 0.0;
+    double hopper = 0.0, v2 = 0.0, main_pass = 0.0;
     {
       const FlashVersionsScope on(versions_with_hopper_backward(true));
       hopper = time_ms([&] {
         gpu().attention_flash_backward(dq, dk, dv, delta, dq_accum, d_out, out, lse, q, k, v, none, dims);
       });
+      // The main pass alone, on the D and the (now dirty) accumulator of the last run: same work;
+      // here and below with dQ added both ways.
+      main_pass = time_ms([&] { cuda::launch_flash_backward_hopper(params_of(c), t, nullptr); });
     }
-    // The main pass alone, on the D and the (now dirty) accumulator of the last run: same work.
-    const double main_pass = time_ms([&] { cuda::launch_flash_backward_hopper(params_of(c), t, nullptr); });
+    double main_pass_quads = 0.0, hopper_quads = 0.0;
+    {
+      const FlashVersionsScope quads(versions_with_hopper_backward(true, true));
+      main_pass_quads = time_ms([&] { cuda::launch_flash_backward_hopper(params_of(c), t, nullptr); });
+      hopper_quads = time_ms([&] {
+        gpu().attention_flash_backward(dq, dk, dv, delta, dq_accum, d_out, out, lse, q, k, v, none, dims);
+      });
+    }
     {
       const FlashVersionsScope off(versions_with_hopper_backward(false));
       v2 = time_ms([&] {
@@ -345,6 +385,8 @@ TEST_F(CudaHopperBackwardTest, TimingPrintHopperBackward) {
     std::printf("TIMING attention backward %s causal (median of 7):\n", label(c, DType::bf16).c_str());
     std::printf("  hopper (wgmma+TMA)    %8.3f ms %7.1f TFLOP/s\n", hopper, tflops(hopper));
     std::printf("  hopper main pass only %8.3f ms %7.1f TFLOP/s\n", main_pass, tflops(main_pass));
+    std::printf("  hopper, dQ by float4  %8.3f ms %7.1f TFLOP/s (main pass only %.3f ms, %.1f TFLOP/s)\n",
+                hopper_quads, tflops(hopper_quads), main_pass_quads, tflops(main_pass_quads));
     std::printf("  v2 (mma.sync)         %8.3f ms %7.1f TFLOP/s\n", v2, tflops(v2));
     if (cudnn > 0.0) std::printf("  cudnn                 %8.3f ms %7.1f TFLOP/s\n", cudnn, tflops(cudnn));
 

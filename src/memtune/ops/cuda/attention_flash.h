@@ -15,6 +15,10 @@ struct FlashVersions {
                                         // it serves the call, else backward v2's; false: v2 always.
                                         // 1.06-1.68x backward v2 on an H100 (bench/NOTES.md).
                                         // MEMTUNE_FLASH_BACKWARD=v2 sets the start value false
+  bool backward_hopper_dq_quads = false;  // the Hopper backward adds dQ into its fp32 accumulator
+                                          // with 4-float vector reductions (half as many) instead
+                                          // of 2-float ones; not yet measured.
+                                          // MEMTUNE_FLASH_BACKWARD=hopper-dq4 sets it true
   int forward_keys = 0;                 // keys per block: 32 or 64 (where shared memory allows),
                                         // 0 the default; MEMTUNE_FLASH_FWD_KEYS sets the start value
   bool forward_grid_per_head = false;   // heaviest query blocks first per head, not grid-wide

@@ -575,16 +575,30 @@ std::atomic<bool>& forward_hopper_flag() {
   return flag;
 }
 
-// Whether the Hopper backward may run (MEMTUNE_FLASH_BACKWARD=v2: no; hopper or unset: yes); read
-// once. Any other value aborts, as for MEMTUNE_FLASH_FORWARD.
+// MEMTUNE_FLASH_BACKWARD, read once: unset or "hopper" (the Hopper backward, dQ added by 2-float
+// reductions), "hopper-dq4" (the Hopper backward, 4-float reductions) or "v2". Any other value
+// aborts, as for MEMTUNE_FLASH_FORWARD.
+const char* backward_environment() {
+  static const char* const value = [] {
+    const char* v = std::getenv("MEMTUNE_FLASH_BACKWARD");
+    if (v == nullptr || std::strcmp(v, "hopper") == 0) return "hopper";
+    if (std::strcmp(v, "hopper-dq4") == 0) return "hopper-dq4";
+    if (std::strcmp(v, "v2") == 0) return "v2";
+    cuda_check_failed("getenv(\"MEMTUNE_FLASH_BACKWARD\")", "environment",
+                      "MEMTUNE_FLASH_BACKWARD takes v2, hopper or hopper-dq4", __FILE__, __LINE__);
+  }();
+  return value;
+}
+
+// Whether the Hopper backward may run (MEMTUNE_FLASH_BACKWARD=v2: no).
 std::atomic<bool>& backward_hopper_flag() {
-  static std::atomic<bool> flag{[] {
-    const char* value = std::getenv("MEMTUNE_FLASH_BACKWARD");
-    if (value == nullptr || std::strcmp(value, "hopper") == 0) return true;
-    if (std::strcmp(value, "v2") == 0) return false;
-    cuda_check_failed("getenv(\"MEMTUNE_FLASH_BACKWARD\")", "environment", "MEMTUNE_FLASH_BACKWARD takes v2 or hopper",
-                      __FILE__, __LINE__);
-  }()};
+  static std::atomic<bool> flag{std::strcmp(backward_environment(), "v2") != 0};
+  return flag;
+}
+
+// Whether it adds dQ with 4-float reductions (MEMTUNE_FLASH_BACKWARD=hopper-dq4).
+std::atomic<bool>& backward_dq_quads_flag() {
+  static std::atomic<bool> flag{std::strcmp(backward_environment(), "hopper-dq4") == 0};
   return flag;
 }
 
@@ -619,6 +633,7 @@ FlashVersions flash_versions() {
   FlashVersions versions;
   versions.forward_hopper = forward_hopper_flag().load(std::memory_order_relaxed);
   versions.backward_hopper = backward_hopper_flag().load(std::memory_order_relaxed);
+  versions.backward_hopper_dq_quads = backward_dq_quads_flag().load(std::memory_order_relaxed);
   versions.forward_keys = forward_keys_value().load(std::memory_order_relaxed);
   versions.forward_grid_per_head = forward_grid_per_head_flag().load(std::memory_order_relaxed);
   versions.forward_rescale_always = forward_rescale_always_flag().load(std::memory_order_relaxed);
@@ -629,6 +644,7 @@ FlashVersions flash_versions() {
 void set_flash_versions(const FlashVersions& versions) {
   forward_hopper_flag().store(versions.forward_hopper, std::memory_order_relaxed);
   backward_hopper_flag().store(versions.backward_hopper, std::memory_order_relaxed);
+  backward_dq_quads_flag().store(versions.backward_hopper_dq_quads, std::memory_order_relaxed);
   forward_keys_value().store(versions.forward_keys, std::memory_order_relaxed);
   forward_grid_per_head_flag().store(versions.forward_grid_per_head, std::memory_order_relaxed);
   forward_rescale_always_flag().store(versions.forward_rescale_always, std::memory_order_relaxed);

@@ -28,6 +28,8 @@
 //  - dS^T is double-buffered in shared memory, so one __syncthreads per query block suffices: it
 //    publishes this block's dS^T (and the next stage's lse/D) and tells thread 0 that the other
 //    stage is free.
+//  - dQ's reductions (kDqQuads; FlashVersions::backward_hopper_dq_quads): 2-float red.add from each
+//    thread's accumulator pairs, or 4-float ones after a lane-pair exchange (half as many).
 // Not done yet (FA3's later steps): a producer warp with setmaxnreg, overlap of one query block's
 // softmax with the next block's GEMMs (every wgmma group is waited for before its results are
 // used), dQ through shared memory and a TMA reduce-add (cp.reduce.async.bulk) from a separate
@@ -41,6 +43,7 @@
 // (197) at 64, no spills.
 #include <climits>
 
+#include "memtune/ops/cuda/attention_flash.h"
 #include "memtune/ops/cuda/attention_flash_tiles.cuh"
 #include "memtune/ops/cuda/attention_hopper.h"
 #include "memtune/ops/cuda/attention_hopper_common.cuh"
@@ -91,6 +94,12 @@ __device__ __forceinline__ void reduce_add_pair(float* address, float a, float b
   asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(address), "f"(a), "f"(b) : "memory");
 }
 
+// address[0..3] += a, b, c, d (16-byte aligned; sm_90's vector reduction of four f32).
+__device__ __forceinline__ void reduce_add_quad(float* address, float a, float b, float c, float d) {
+  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(address), "f"(a), "f"(b), "f"(c), "f"(d)
+               : "memory");
+}
+
 __device__ __forceinline__ void cp_async_4_zero_fill(uint32_t shared, const void* global, bool valid) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(shared), "l"(global), "r"(valid ? 4 : 0));
 }
@@ -118,7 +127,7 @@ __device__ __forceinline__ void dq_product(float (&acc)[kChunkColumns / 2], uint
 // __launch_bounds__(256, 1): one block an SM, so ptxas may give each thread up to 255 registers
 // (at head_dim 128 the dK and dV accumulators alone take 128). kSegments: packed rows
 // (args.segments): a query sees a key only where their ids are equal.
-template <int D, bool kBf16, bool kSegments>
+template <int D, bool kBf16, bool kSegments, bool kDqQuads>
 __global__ void __launch_bounds__(kBackwardThreads, 1)
     flash_backward_hopper(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
                           const __grid_constant__ CUtensorMap v_map, const __grid_constant__ CUtensorMap do_map,
@@ -392,10 +401,28 @@ __global__ void __launch_bounds__(kBackwardThreads, 1)
       float* const dq_a = args.dq_accum + (static_cast<int64_t>(b) * seq + query_a) * q_stride +
                           static_cast<int64_t>(h) * D + column0 + 2 * thread_in_group;
       float* const dq_b = dq_a + 8 * q_stride;
+      if constexpr (kDqQuads) {
+        // Half the reductions, four floats each: lanes t and t ^ 1 of a quad swap halves, so that
+        // the even lane holds 4 adjacent columns of row a (its 2 and its partner's) and the odd
+        // lane 4 of row b (its partner's 2, then its own). The columns start at 8 nt + 4 (t / 2):
+        // 16-byte aligned, as dq_accum is (flash_backward_hopper_serves) and every row of it is.
+        const bool odd = (thread_in_group & 1) != 0;
+        float* const dq_row = odd ? dq_b - 2 : dq_a;  // the odd lane's 4 columns start 2 before its own
+        const bool row_valid = odd ? query_b < seq : query_a < seq;
 #pragma unroll
-      for (int nt = 0; nt < kChunkColumns / 8; ++nt) {
-        if (query_a < seq) reduce_add_pair(dq_a + nt * 8, acc[4 * nt], acc[4 * nt + 1]);
-        if (query_b < seq) reduce_add_pair(dq_b + nt * 8, acc[4 * nt + 2], acc[4 * nt + 3]);
+        for (int nt = 0; nt < kChunkColumns / 8; ++nt) {
+          const float send0 = odd ? acc[4 * nt] : acc[4 * nt + 2], send1 = odd ? acc[4 * nt + 1] : acc[4 * nt + 3];
+          const float got0 = __shfl_xor_sync(0xffffffffu, send0, 1), got1 = __shfl_xor_sync(0xffffffffu, send1, 1);
+          const float first0 = odd ? got0 : acc[4 * nt], first1 = odd ? got1 : acc[4 * nt + 1];
+          const float second0 = odd ? acc[4 * nt + 2] : got0, second1 = odd ? acc[4 * nt + 3] : got1;
+          if (row_valid) reduce_add_quad(dq_row + nt * 8, first0, first1, second0, second1);
+        }
+      } else {
+#pragma unroll
+        for (int nt = 0; nt < kChunkColumns / 8; ++nt) {
+          if (query_a < seq) reduce_add_pair(dq_a + nt * 8, acc[4 * nt], acc[4 * nt + 1]);
+          if (query_b < seq) reduce_add_pair(dq_b + nt * 8, acc[4 * nt + 2], acc[4 * nt + 3]);
+        }
       }
     }
   }
@@ -451,12 +478,16 @@ bool launch_backward(const AttentionParams& p, const FlashTensors& t, cudaStream
   args.segments = p.segments;
   const unsigned blocks =
       static_cast<unsigned>((p.seq + kBackwardKeys - 1) / kBackwardKeys * p.n_kv_heads * p.batch);
+  // The four kernels of this head_dim and type: packed rows or not, dQ by 4-float reductions or not.
+  auto launch = [&](auto kernel) {
+    allow_shared(kernel, bytes);
+    kernel<<<blocks, kBackwardThreads, bytes, stream>>>(q_map, k_map, v_map, do_map, args);
+  };
+  const bool quads = flash_versions().backward_hopper_dq_quads;
   if (p.segments != nullptr) {
-    allow_shared(flash_backward_hopper<D, kBf16, true>, bytes);
-    flash_backward_hopper<D, kBf16, true><<<blocks, kBackwardThreads, bytes, stream>>>(q_map, k_map, v_map, do_map, args);
+    quads ? launch(flash_backward_hopper<D, kBf16, true, true>) : launch(flash_backward_hopper<D, kBf16, true, false>);
   } else {
-    allow_shared(flash_backward_hopper<D, kBf16, false>, bytes);
-    flash_backward_hopper<D, kBf16, false><<<blocks, kBackwardThreads, bytes, stream>>>(q_map, k_map, v_map, do_map, args);
+    quads ? launch(flash_backward_hopper<D, kBf16, false, true>) : launch(flash_backward_hopper<D, kBf16, false, false>);
   }
   MT_CUDA_CHECK_LAUNCH();
   return true;
@@ -478,7 +509,7 @@ bool flash_backward_hopper_serves(const AttentionParams& p, const FlashTensors& 
   // 32-bit coordinates and block arithmetic; one grid dimension.
   const int64_t blocks = (p.seq + kBackwardKeys - 1) / kBackwardKeys * p.n_kv_heads * p.batch;
   if (p.seq > INT_MAX - kBackwardKeys || p.n_heads > INT_MAX || blocks > INT_MAX) return false;
-  return hopper_kernel_runs_here<flash_backward_hopper<128, true, false>>();
+  return hopper_kernel_runs_here<flash_backward_hopper<128, true, false, false>>();
 }
 
 bool launch_flash_backward_hopper(const AttentionParams& p, const FlashTensors& t, cudaStream_t stream) {
