@@ -28,8 +28,9 @@
 #         activation offload (L_PART=memtune) or Unsloth's one-step probe (L_PART=unsloth)
 #     m   issue 23: the own flash kernel's backward versions (v2, hopper) in training steps (configuration 1
 #         and 1 x 32768, alternately), cuDNN at 32768 beside them, after the Hopper backward's GPU tests
-#     n   issue 23: the Hopper backward with dQ by 4-float reductions: its GPU tests (both ways), both
-#         in training steps (as m), compute-sanitizer on its packed-row test, Nsight Compute (ncu-attn)
+#     n   issue 23: the Hopper backward's ways of adding dQ (2- and 4-float reductions, bulk
+#         reduce-adds): its GPU tests, each in training steps (as m), compute-sanitizer on its
+#         packed-row test, Nsight Compute (ncu-attn)
 #     ab  a kernel change's call: the whole GPU test suite (TEST_FILTER, default all) and compute-sanitizer
 #         (AB_PARTS, default tests,sanitizer), then memtune's
 #         configurations 1 and 3 (AB_CONFIGS) with BIN_DIR and with BASE_BIN_DIR (required)
@@ -176,13 +177,14 @@ case "$CALL" in
       check "$BIN_DIR" tests,attn-step
     ;;
   n)
-    # Issue 23: the Hopper backward with dQ by 4-float reductions (MEMTUNE_FLASH_BACKWARD=hopper-dq4):
-    # its GPU tests (both ways against the CPU, v2 and each other; the timing print with both),
-    # both in training steps (configuration 1 twice, 1 x 32768, cuDNN beside), compute-sanitizer
-    # on the packed-row test (both ways), then Nsight Compute on the main pass and cuDNN's backward.
+    # Issue 23: the Hopper backward's ways of adding dQ (MEMTUNE_FLASH_BACKWARD=hopper, hopper-dq4:
+    # 4-float reductions, hopper-dqtma: bulk reduce-adds): its GPU tests (each way against the CPU,
+    # v2 and the others; the timing print with each), each in training steps (configuration 1 twice,
+    # 1 x 32768, cuDNN beside), compute-sanitizer on the packed-row test (each way), then Nsight
+    # Compute on the main pass and cuDNN's backward.
     GTEST_FILTER=${TEST_FILTER:-'CudaHopperBackwardTest.*'} TEST_TIMEOUT=${TEST_TIMEOUT:-150} \
       check "$BIN_DIR" tests
-    ATTN_STEP_BACKWARDS=${ATTN_STEP_BACKWARDS:-'hopper hopper-dq4'} check "$BIN_DIR" attn-step
+    ATTN_STEP_BACKWARDS=${ATTN_STEP_BACKWARDS:-'hopper hopper-dq4 hopper-dqtma'} check "$BIN_DIR" attn-step
     SANITIZER_TIMEOUT=${SANITIZER_TIMEOUT:-120} SANITIZER_FILTER=${SANITIZER_FILTER:-'CudaHopperBackwardTest.PackedRowsMatchCpu'} \
       check "$BIN_DIR" sanitizer-tests
     check "$BIN_DIR" ncu-attn

@@ -1,7 +1,7 @@
 // The Hopper backward of flash attention (attention_hopper.h; wgmma + TMA, sm_90a), the main pass
 // that the backend's flash backward runs in place of backward v2's where FlashVersions::
 // backward_hopper is set (the default), with dQ added both ways (FlashVersions::
-// backward_hopper_dq_quads): dq, dk and dv against the CPU backend's
+// backward_hopper_dq: 2- and 4-float reductions, bulk reduce-adds): dq, dk and dv against the CPU backend's
 // flash backward at odd shapes (seq 1 to 2,600, head_dim 64 and 128, GQA 32/8, 4/1 and 2/2, batch
 // 1 and 3, bf16 and f16), against backward v2 on the same device inputs over the whole grid of those
 // shapes, on packed rows against the CPU, what it refuses, and a timing print beside backward v2
@@ -37,16 +37,20 @@ using hopper::relative_error;
 using hopper::segment_ids;
 
 // The current flash versions with the Hopper backward turned on or off, and how it adds dQ.
-cuda::FlashVersions versions_with_hopper_backward(bool on, bool quads = false) {
+cuda::FlashVersions versions_with_hopper_backward(bool on, cuda::HopperDq dq = cuda::HopperDq::pairs) {
   cuda::FlashVersions versions = cuda::flash_versions();
   versions.backward_hopper = on;
-  versions.backward_hopper_dq_quads = quads;
+  versions.backward_hopper_dq = dq;
   return versions;
 }
 
 // The Hopper backward's two ways of adding dQ, and their names in messages.
-constexpr bool kDqModes[] = {false, true};
-const char* dq_mode_name(bool quads) { return quads ? "dQ by 4-float reductions" : "dQ by 2-float reductions"; }
+constexpr cuda::HopperDq kDqModes[] = {cuda::HopperDq::pairs, cuda::HopperDq::quads, cuda::HopperDq::bulk};
+const char* dq_mode_name(cuda::HopperDq dq) {
+  return dq == cuda::HopperDq::quads  ? "dQ by 4-float reductions"
+         : dq == cuda::HopperDq::bulk ? "dQ by bulk reduce-adds"
+                                      : "dQ by 2-float reductions";
+}
 
 struct Gradients {
   std::vector<float> dq, dk, dv;
@@ -78,8 +82,8 @@ class CudaHopperBackwardTest : public CudaTest {
   // outputs poisoned first.
   Gradients backend_backward(bool hopper, DType type, const Config& c, const Tensor& d_out, const Tensor& out,
                              const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
-                             const Tensor& segments = Tensor{}, bool quads = false) {
-    const FlashVersionsScope choice(versions_with_hopper_backward(hopper, quads));
+                             const Tensor& segments = Tensor{}, cuda::HopperDq dq_mode = cuda::HopperDq::pairs) {
+    const FlashVersionsScope choice(versions_with_hopper_backward(hopper, dq_mode));
     const AttentionDims dims = test::attention_dims_of(c);
     const Shape q_shape = q.shape, kv_shape = k.shape, rows{c.batch * c.heads * c.seq};
     DeviceTensor dq = poisoned(type, q_shape), dk = poisoned(type, kv_shape), dv = poisoned(type, kv_shape);
@@ -113,9 +117,9 @@ TEST_F(CudaHopperBackwardTest, BackwardMatchesCpu) {
 
       DeviceTensor q = upload(ref.q), k = upload(ref.k), v = upload(ref.v), d_out = upload(ref.d_out);
       DeviceTensor out = upload(ref.out), lse = upload(ref.lse);
-      for (const bool quads : kDqModes) {
-        SCOPED_TRACE(dq_mode_name(quads));
-        const Gradients hopper = backend_backward(true, type, c, d_out, out, lse, q, k, v, Tensor{}, quads);
+      for (const cuda::HopperDq dq : kDqModes) {
+        SCOPED_TRACE(dq_mode_name(dq));
+        const Gradients hopper = backend_backward(true, type, c, d_out, out, lse, q, k, v, Tensor{}, dq);
         expect_close("hopper backward dq", hopper.dq, ref.dq.floats(), storage_tolerance(type));
         expect_close("hopper backward dk", hopper.dk, ref.dk.floats(), storage_tolerance(type));
         expect_close("hopper backward dv", hopper.dv, ref.dv.floats(), storage_tolerance(type));
@@ -191,14 +195,17 @@ TEST_F(CudaHopperBackwardTest, BackendBackwardMatchesV2AtOddShapes) {
                 << "direct dQ accumulator, rounded to " << dtype_name(type) << ", vs the backend's dq";
             EXPECT_TRUE(finite);
 
-            // dQ by 4-float reductions: dk and dv are not touched by the change (bit for bit); dq
-            // (atomics, in another order) within the tolerance of the 2-float one's.
-            const Gradients quads = backend_backward(true, type, c, d_out, out, lse, q, k, v, none, true);
-            EXPECT_TRUE(quads.dk == hopper.dk) << "dk differs with dQ by 4-float reductions";
-            EXPECT_TRUE(quads.dv == hopper.dv) << "dv differs with dQ by 4-float reductions";
-            finite = false;
-            EXPECT_LT(relative_error(quads.dq, hopper.dq, finite), storage_tolerance(type)) << "dq by 4-float reductions";
-            EXPECT_TRUE(finite) << "dq by 4-float reductions: non-finite values (unwritten or NaN)";
+            // dQ added the other ways: dk and dv are not touched by it (bit for bit); dq (sums in
+            // another order) within the tolerance of the 2-float reductions'.
+            for (const cuda::HopperDq dq : {cuda::HopperDq::quads, cuda::HopperDq::bulk}) {
+              SCOPED_TRACE(dq_mode_name(dq));
+              const Gradients other = backend_backward(true, type, c, d_out, out, lse, q, k, v, none, dq);
+              EXPECT_TRUE(other.dk == hopper.dk) << "dk differs";
+              EXPECT_TRUE(other.dv == hopper.dv) << "dv differs";
+              finite = false;
+              EXPECT_LT(relative_error(other.dq, hopper.dq, finite), storage_tolerance(type)) << "dq";
+              EXPECT_TRUE(finite) << "dq: non-finite values (unwritten or NaN)";
+            }
           }
   EXPECT_EQ(cudaGetLastError(), cudaSuccess);
 }
@@ -226,9 +233,9 @@ TEST_F(CudaHopperBackwardTest, PackedRowsMatchCpu) {
         ASSERT_TRUE(cuda::flash_backward_hopper_serves(params_of(c, ids), t)) << "packed rows are served";
       }
       const Gradients v2 = backend_backward(false, type, c, d_out, out, lse, q, k, v, ids);
-      for (const bool quads : kDqModes) {
-        SCOPED_TRACE(dq_mode_name(quads));
-        const Gradients hopper = backend_backward(true, type, c, d_out, out, lse, q, k, v, ids, quads);
+      for (const cuda::HopperDq dq : kDqModes) {
+        SCOPED_TRACE(dq_mode_name(dq));
+        const Gradients hopper = backend_backward(true, type, c, d_out, out, lse, q, k, v, ids, dq);
         expect_close("hopper packed dq", hopper.dq, ref.dq.floats(), storage_tolerance(type));
         expect_close("hopper packed dk", hopper.dk, ref.dk.floats(), storage_tolerance(type));
         expect_close("hopper packed dv", hopper.dv, ref.dv.floats(), storage_tolerance(type));
@@ -346,16 +353,18 @@ TEST_F(CudaHopperBackwardTest, TimingPrintHopperBackward) {
         gpu().attention_flash_backward(dq, dk, dv, delta, dq_accum, d_out, out, lse, q, k, v, none, dims);
       });
       // The main pass alone, on the D and the (now dirty) accumulator of the last run: same work;
-      // here and below with dQ added both ways.
+      // here and below with dQ added each way.
       main_pass = time_ms([&] { cuda::launch_flash_backward_hopper(params_of(c), t, nullptr); });
     }
-    double main_pass_quads = 0.0, hopper_quads = 0.0;
-    {
-      const FlashVersionsScope quads(versions_with_hopper_backward(true, true));
-      main_pass_quads = time_ms([&] { cuda::launch_flash_backward_hopper(params_of(c), t, nullptr); });
-      hopper_quads = time_ms([&] {
+    double main_pass_quads = 0.0, hopper_quads = 0.0, main_pass_bulk = 0.0, hopper_bulk = 0.0;
+    for (const cuda::HopperDq mode : {cuda::HopperDq::quads, cuda::HopperDq::bulk}) {
+      const FlashVersionsScope other(versions_with_hopper_backward(true, mode));
+      const double main = time_ms([&] { cuda::launch_flash_backward_hopper(params_of(c), t, nullptr); });
+      const double whole = time_ms([&] {
         gpu().attention_flash_backward(dq, dk, dv, delta, dq_accum, d_out, out, lse, q, k, v, none, dims);
       });
+      (mode == cuda::HopperDq::quads ? main_pass_quads : main_pass_bulk) = main;
+      (mode == cuda::HopperDq::quads ? hopper_quads : hopper_bulk) = whole;
     }
     {
       const FlashVersionsScope off(versions_with_hopper_backward(false));
@@ -387,6 +396,8 @@ TEST_F(CudaHopperBackwardTest, TimingPrintHopperBackward) {
     std::printf("  hopper main pass only %8.3f ms %7.1f TFLOP/s\n", main_pass, tflops(main_pass));
     std::printf("  hopper, dQ by float4  %8.3f ms %7.1f TFLOP/s (main pass only %.3f ms, %.1f TFLOP/s)\n",
                 hopper_quads, tflops(hopper_quads), main_pass_quads, tflops(main_pass_quads));
+    std::printf("  hopper, dQ by TMA     %8.3f ms %7.1f TFLOP/s (main pass only %.3f ms, %.1f TFLOP/s)\n",
+                hopper_bulk, tflops(hopper_bulk), main_pass_bulk, tflops(main_pass_bulk));
     std::printf("  v2 (mma.sync)         %8.3f ms %7.1f TFLOP/s\n", v2, tflops(v2));
     if (cudnn > 0.0) std::printf("  cudnn                 %8.3f ms %7.1f TFLOP/s\n", cudnn, tflops(cudnn));
 

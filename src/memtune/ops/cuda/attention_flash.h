@@ -6,6 +6,14 @@
 
 namespace memtune::cuda {
 
+// How the Hopper backward adds each query block's dQ into the fp32 accumulator:
+//  pairs  red.global.add.v2.f32 from every thread's accumulator pairs (32 a thread an item at
+//         head_dim 128);
+//  quads  red.global.add.v4.f32 after a lane-pair exchange: half as many reductions;
+//  bulk   the warpgroup's 64 x 64 tile through shared memory, added by the copy engine
+//         (cp.reduce.async.bulk.tensor), two 128-byte-wide boxes an item.
+enum class HopperDq { pairs, quads, bulk };
+
 struct FlashVersions {
   bool forward_hopper = true;           // the Hopper forward (attention_hopper.h: compute capability
                                         // 9.0, the sm_90a object in the build) where it serves the
@@ -15,10 +23,10 @@ struct FlashVersions {
                                         // it serves the call, else backward v2's; false: v2 always.
                                         // 1.06-1.68x backward v2 on an H100 (bench/NOTES.md).
                                         // MEMTUNE_FLASH_BACKWARD=v2 sets the start value false
-  bool backward_hopper_dq_quads = false;  // the Hopper backward adds dQ into its fp32 accumulator
-                                          // with 4-float vector reductions (half as many) instead
-                                          // of 2-float ones; not yet measured.
-                                          // MEMTUNE_FLASH_BACKWARD=hopper-dq4 sets it true
+  HopperDq backward_hopper_dq = HopperDq::pairs;  // how the Hopper backward adds dQ into its
+                                                   // fp32 accumulator (HopperDq); not yet measured
+                                                   // beyond pairs. MEMTUNE_FLASH_BACKWARD=hopper-dq4
+                                                   // or hopper-dqtma sets the start value
   int forward_keys = 0;                 // keys per block: 32 or 64 (where shared memory allows),
                                         // 0 the default; MEMTUNE_FLASH_FWD_KEYS sets the start value
   bool forward_grid_per_head = false;   // heaviest query blocks first per head, not grid-wide

@@ -575,17 +575,17 @@ std::atomic<bool>& forward_hopper_flag() {
   return flag;
 }
 
-// MEMTUNE_FLASH_BACKWARD, read once: unset or "hopper" (the Hopper backward, dQ added by 2-float
-// reductions), "hopper-dq4" (the Hopper backward, 4-float reductions) or "v2". Any other value
-// aborts, as for MEMTUNE_FLASH_FORWARD.
+// MEMTUNE_FLASH_BACKWARD, read once: unset or "hopper" (the Hopper backward, dQ by 2-float
+// reductions), "hopper-dq4" (4-float reductions), "hopper-dqtma" (bulk reduce-adds of shared-memory
+// tiles) or "v2". Any other value aborts, as for MEMTUNE_FLASH_FORWARD.
 const char* backward_environment() {
   static const char* const value = [] {
     const char* v = std::getenv("MEMTUNE_FLASH_BACKWARD");
     if (v == nullptr || std::strcmp(v, "hopper") == 0) return "hopper";
-    if (std::strcmp(v, "hopper-dq4") == 0) return "hopper-dq4";
-    if (std::strcmp(v, "v2") == 0) return "v2";
+    for (const char* known : {"hopper-dq4", "hopper-dqtma", "v2"})
+      if (std::strcmp(v, known) == 0) return known;
     cuda_check_failed("getenv(\"MEMTUNE_FLASH_BACKWARD\")", "environment",
-                      "MEMTUNE_FLASH_BACKWARD takes v2, hopper or hopper-dq4", __FILE__, __LINE__);
+                      "MEMTUNE_FLASH_BACKWARD takes v2, hopper, hopper-dq4 or hopper-dqtma", __FILE__, __LINE__);
   }();
   return value;
 }
@@ -596,10 +596,12 @@ std::atomic<bool>& backward_hopper_flag() {
   return flag;
 }
 
-// Whether it adds dQ with 4-float reductions (MEMTUNE_FLASH_BACKWARD=hopper-dq4).
-std::atomic<bool>& backward_dq_quads_flag() {
-  static std::atomic<bool> flag{std::strcmp(backward_environment(), "hopper-dq4") == 0};
-  return flag;
+// How it adds dQ (MEMTUNE_FLASH_BACKWARD=hopper-dq4: quads, hopper-dqtma: bulk, else pairs).
+std::atomic<HopperDq>& backward_dq_value() {
+  static std::atomic<HopperDq> mode{std::strcmp(backward_environment(), "hopper-dq4") == 0     ? HopperDq::quads
+                                    : std::strcmp(backward_environment(), "hopper-dqtma") == 0 ? HopperDq::bulk
+                                                                                               : HopperDq::pairs};
+  return mode;
 }
 
 // Forward v2's keys per block (MEMTUNE_FLASH_FWD_KEYS=32 or 64; else 0, the default); read once.
@@ -633,7 +635,7 @@ FlashVersions flash_versions() {
   FlashVersions versions;
   versions.forward_hopper = forward_hopper_flag().load(std::memory_order_relaxed);
   versions.backward_hopper = backward_hopper_flag().load(std::memory_order_relaxed);
-  versions.backward_hopper_dq_quads = backward_dq_quads_flag().load(std::memory_order_relaxed);
+  versions.backward_hopper_dq = backward_dq_value().load(std::memory_order_relaxed);
   versions.forward_keys = forward_keys_value().load(std::memory_order_relaxed);
   versions.forward_grid_per_head = forward_grid_per_head_flag().load(std::memory_order_relaxed);
   versions.forward_rescale_always = forward_rescale_always_flag().load(std::memory_order_relaxed);
@@ -644,7 +646,7 @@ FlashVersions flash_versions() {
 void set_flash_versions(const FlashVersions& versions) {
   forward_hopper_flag().store(versions.forward_hopper, std::memory_order_relaxed);
   backward_hopper_flag().store(versions.backward_hopper, std::memory_order_relaxed);
-  backward_dq_quads_flag().store(versions.backward_hopper_dq_quads, std::memory_order_relaxed);
+  backward_dq_value().store(versions.backward_hopper_dq, std::memory_order_relaxed);
   forward_keys_value().store(versions.forward_keys, std::memory_order_relaxed);
   forward_grid_per_head_flag().store(versions.forward_grid_per_head, std::memory_order_relaxed);
   forward_rescale_always_flag().store(versions.forward_rescale_always, std::memory_order_relaxed);

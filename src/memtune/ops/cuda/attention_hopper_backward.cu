@@ -28,8 +28,11 @@
 //  - dS^T is double-buffered in shared memory, so one __syncthreads per query block suffices: it
 //    publishes this block's dS^T (and the next stage's lse/D) and tells thread 0 that the other
 //    stage is free.
-//  - dQ's reductions (kDqQuads; FlashVersions::backward_hopper_dq_quads): 2-float red.add from each
-//    thread's accumulator pairs, or 4-float ones after a lane-pair exchange (half as many).
+//  - How dQ is added (kDq; FlashVersions::backward_hopper_dq, HopperDq in attention_flash.h):
+//    2-float red.add from each thread's accumulator pairs; 4-float ones after a lane-pair exchange
+//    (half as many); or the warpgroup's 64 x 64 f32 tile written to shared memory (128-byte
+//    swizzle, two 32-column boxes) and added by the copy engine (cp.reduce.async.bulk.tensor),
+//    issued by one thread of the warpgroup, whose next item waits only for the copy's reads.
 // Not done yet (FA3's later steps): a producer warp with setmaxnreg, overlap of one query block's
 // softmax with the next block's GEMMs (every wgmma group is waited for before its results are
 // used), dQ through shared memory and a TMA reduce-add (cp.reduce.async.bulk) from a separate
@@ -42,6 +45,7 @@
 // of alignment slack). ptxas (CUDA 13.0): 240 registers at head_dim 128 (246 on packed rows), 196
 // (197) at 64, no spills.
 #include <climits>
+#include <type_traits>
 
 #include "memtune/ops/cuda/attention_flash.h"
 #include "memtune/ops/cuda/attention_flash_tiles.cuh"
@@ -55,7 +59,11 @@ constexpr int kBackwardKeys = 128;     // keys per block: two warpgroups of 64
 constexpr int kBackwardQueries = 64;   // queries per query block (the N of S^T and dP^T)
 constexpr int kBackwardThreads = 256;  // two warpgroups
 
-template <int D>
+// How dQ is added (HopperDq): the kernel's template argument.
+constexpr int kDqPairs = 0, kDqQuads = 1, kDqBulk = 2;
+
+// kDqStaged: the bulk mode's two dQ tiles (one a warpgroup) between the dS^T buffers and the stats.
+template <int D, bool kDqStaged = false>
 struct BackwardLayout {
   static constexpr int kChunks = D / kChunkColumns;
   static constexpr uint32_t kKvChunkBytes = kBackwardKeys * kSwizzleRowBytes;     // 16 KB
@@ -66,13 +74,18 @@ struct BackwardLayout {
   // K at 0, V at kKvBytes.
   static constexpr uint32_t kStages = 2 * kKvBytes;  // stage s: Q at kStages + 2 s kQBytes, dO after it
   static constexpr uint32_t kDs = kStages + 4 * kQBytes;  // buffer i at kDs + i kDsBytes
-  static constexpr uint32_t kStats = kDs + 2 * kDsBytes;  // [stage][lse | D | ids][64], 4 bytes each
+  static constexpr uint32_t kDqTileBytes = kBackwardQueries * 64 * 4;  // 64 queries x 64 f32 columns
+  static constexpr uint32_t kDqBoxBytes = kBackwardQueries * kSwizzleRowBytes;  // 32 of those columns
+  static constexpr uint32_t kDqTiles = kDs + 2 * kDsBytes;  // warpgroup w's at kDqTiles + w kDqTileBytes
+  static constexpr uint32_t kStats = kDqTiles + (kDqStaged ? 2 * kDqTileBytes : 0);  // [stage][lse | D | ids][64]
   static constexpr uint32_t kStatsStageBytes = 3 * kBackwardQueries * 4;
   static constexpr uint32_t kBarriers = kStats + 2 * kStatsStageBytes;  // kv, full[2]: 8 bytes each
   static constexpr uint32_t kReachScratch = kBarriers + 64;
   static constexpr int kSharedBytes =
       static_cast<int>(kReachScratch + segment_reach_scratch_words<kBackwardKeys>() * 4) + 1024;  // + alignment slack
-  static_assert(kStages % 1024 == 0 && kDs % 1024 == 0 && kQChunkBytes % 1024 == 0, "swizzle-period aligned tiles");
+  static_assert(kStages % 1024 == 0 && kDs % 1024 == 0 && kQChunkBytes % 1024 == 0 && kDqTiles % 1024 == 0 &&
+                    kDqBoxBytes % 1024 == 0,
+                "swizzle-period aligned tiles");
 };
 
 struct HopperBackwardArgs {
@@ -127,13 +140,13 @@ __device__ __forceinline__ void dq_product(float (&acc)[kChunkColumns / 2], uint
 // __launch_bounds__(256, 1): one block an SM, so ptxas may give each thread up to 255 registers
 // (at head_dim 128 the dK and dV accumulators alone take 128). kSegments: packed rows
 // (args.segments): a query sees a key only where their ids are equal.
-template <int D, bool kBf16, bool kSegments, bool kDqQuads>
+template <int D, bool kBf16, bool kSegments, int kDq>
 __global__ void __launch_bounds__(kBackwardThreads, 1)
     flash_backward_hopper(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
                           const __grid_constant__ CUtensorMap v_map, const __grid_constant__ CUtensorMap do_map,
-                          HopperBackwardArgs args) {
+                          const __grid_constant__ CUtensorMap dq_map, HopperBackwardArgs args) {
 #ifdef MEMTUNE_HOPPER_DEVICE_CODE
-  using L = BackwardLayout<D>;
+  using L = BackwardLayout<D, kDq == kDqBulk>;
   extern __shared__ uint8_t shared_raw[];
   const uint32_t raw_address = shared_address(shared_raw);
   const uint32_t base = (raw_address + kSwizzlePeriodBytes - 1) & ~(kSwizzlePeriodBytes - 1);
@@ -401,7 +414,37 @@ __global__ void __launch_bounds__(kBackwardThreads, 1)
       float* const dq_a = args.dq_accum + (static_cast<int64_t>(b) * seq + query_a) * q_stride +
                           static_cast<int64_t>(h) * D + column0 + 2 * thread_in_group;
       float* const dq_b = dq_a + 8 * q_stride;
-      if constexpr (kDqQuads) {
+      if constexpr (kDq == kDqBulk) {
+        // The tile into this warpgroup's shared buffer, once the copy engine has read the last
+        // item's out of it (issued an item ago: done by now in the steady state), then one reduce-add
+        // a 32-column box. Box c holds columns [32 c, 32 c + 32) of the 64, rows = the block's 64
+        // queries; thread (g, t) of warp w writes rows 16 w + g (+ 8), columns 8 nt + 2 t (+ 1), at
+        // 16-byte piece (8 (nt % 4) + 2 t) / 4 of its 128-byte row, XOR the row's index mod 8.
+        const uint32_t dq_tile = base + L::kDqTiles + warpgroup * L::kDqTileBytes;
+        const bool issuer = thread % 128 == 0;
+        if (issuer) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+        asm volatile("bar.sync %0, 128;\n" ::"r"(1 + warpgroup) : "memory");
+        uint8_t* const tile = base_pointer + (dq_tile - base);
+        const int local_a = warp * 16 + group_id, local_b = local_a + 8;
+#pragma unroll
+        for (int nt = 0; nt < kChunkColumns / 8; ++nt) {
+          const int box = nt / 4, piece = (nt % 4) * 2 + thread_in_group / 2, within = (thread_in_group % 2) * 8;
+          uint8_t* const box_rows = tile + box * L::kDqBoxBytes;
+          *reinterpret_cast<float2*>(box_rows + local_a * kSwizzleRowBytes + ((piece ^ (local_a % 8)) * 16) + within) =
+              make_float2(acc[4 * nt], acc[4 * nt + 1]);
+          *reinterpret_cast<float2*>(box_rows + local_b * kSwizzleRowBytes + ((piece ^ (local_b % 8)) * 16) + within) =
+              make_float2(acc[4 * nt + 2], acc[4 * nt + 3]);
+        }
+        // Generic-proxy writes that the copy engine reads next: fence, then the warpgroup's barrier.
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        asm volatile("bar.sync %0, 128;\n" ::"r"(1 + warpgroup) : "memory");
+        if (issuer) {
+#pragma unroll
+          for (int box = 0; box < 2; ++box)
+            tma_reduce_add(dq_map, column0 + box * 32, h, q0, b, dq_tile + box * L::kDqBoxBytes);
+          asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+        }
+      } else if constexpr (kDq == kDqQuads) {
         // Half the reductions, four floats each: lanes t and t ^ 1 of a quad swap halves, so that
         // the even lane holds 4 adjacent columns of row a (its 2 and its partner's) and the odd
         // lane 4 of row b (its partner's 2, then its own). The columns start at 8 nt + 4 (t / 2):
@@ -425,6 +468,11 @@ __global__ void __launch_bounds__(kBackwardThreads, 1)
         }
       }
     }
+  }
+
+  // The last reduce-adds are complete before the block ends (their shared tile and their writes).
+  if constexpr (kDq == kDqBulk) {
+    if (thread % 128 == 0) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
   }
 
   // dK and dV of this thread's two keys, in 16 bits (rows past seq are not written).
@@ -452,15 +500,17 @@ __global__ void __launch_bounds__(kBackwardThreads, 1)
 
 // ================================ host side =====================================================
 
-template <int D, bool kBf16>
+template <int D, bool kBf16, int kDq>
 bool launch_backward(const AttentionParams& p, const FlashTensors& t, cudaStream_t stream) {
-  constexpr int bytes = BackwardLayout<D>::kSharedBytes;
+  constexpr int bytes = BackwardLayout<D, kDq == kDqBulk>::kSharedBytes;
   if (flash_max_shared_per_block() < bytes) return false;
-  CUtensorMap q_map, k_map, v_map, do_map;
+  CUtensorMap q_map, k_map, v_map, do_map, dq_map{};
   if (!encode_head_rows(&q_map, t.q, kBf16, p.batch, p.seq, p.n_heads, D, kBackwardQueries) ||
       !encode_head_rows(&k_map, t.k, kBf16, p.batch, p.seq, p.n_kv_heads, D, kBackwardKeys) ||
       !encode_head_rows(&v_map, t.v, kBf16, p.batch, p.seq, p.n_kv_heads, D, kBackwardKeys) ||
       !encode_head_rows(&do_map, t.d_out, kBf16, p.batch, p.seq, p.n_heads, D, kBackwardQueries))
+    return false;
+  if (kDq == kDqBulk && !encode_head_rows_f32(&dq_map, t.dq_accum, p.batch, p.seq, p.n_heads, D, kBackwardQueries))
     return false;
   HopperBackwardArgs args;
   args.seq = static_cast<int>(p.seq);
@@ -478,17 +528,12 @@ bool launch_backward(const AttentionParams& p, const FlashTensors& t, cudaStream
   args.segments = p.segments;
   const unsigned blocks =
       static_cast<unsigned>((p.seq + kBackwardKeys - 1) / kBackwardKeys * p.n_kv_heads * p.batch);
-  // The four kernels of this head_dim and type: packed rows or not, dQ by 4-float reductions or not.
   auto launch = [&](auto kernel) {
     allow_shared(kernel, bytes);
-    kernel<<<blocks, kBackwardThreads, bytes, stream>>>(q_map, k_map, v_map, do_map, args);
+    kernel<<<blocks, kBackwardThreads, bytes, stream>>>(q_map, k_map, v_map, do_map, dq_map, args);
   };
-  const bool quads = flash_versions().backward_hopper_dq_quads;
-  if (p.segments != nullptr) {
-    quads ? launch(flash_backward_hopper<D, kBf16, true, true>) : launch(flash_backward_hopper<D, kBf16, true, false>);
-  } else {
-    quads ? launch(flash_backward_hopper<D, kBf16, false, true>) : launch(flash_backward_hopper<D, kBf16, false, false>);
-  }
+  if (p.segments != nullptr) launch(flash_backward_hopper<D, kBf16, true, kDq>);
+  else launch(flash_backward_hopper<D, kBf16, false, kDq>);
   MT_CUDA_CHECK_LAUNCH();
   return true;
 }
@@ -509,14 +554,22 @@ bool flash_backward_hopper_serves(const AttentionParams& p, const FlashTensors& 
   // 32-bit coordinates and block arithmetic; one grid dimension.
   const int64_t blocks = (p.seq + kBackwardKeys - 1) / kBackwardKeys * p.n_kv_heads * p.batch;
   if (p.seq > INT_MAX - kBackwardKeys || p.n_heads > INT_MAX || blocks > INT_MAX) return false;
-  return hopper_kernel_runs_here<flash_backward_hopper<128, true, false, false>>();
+  return hopper_kernel_runs_here<flash_backward_hopper<128, true, false, kDqPairs>>();
 }
 
 bool launch_flash_backward_hopper(const AttentionParams& p, const FlashTensors& t, cudaStream_t stream) {
   if (!flash_backward_hopper_serves(p, t)) return false;
-  const bool bf16 = t.q_type == DType::bf16;
-  if (p.head_dim == 64) return bf16 ? launch_backward<64, true>(p, t, stream) : launch_backward<64, false>(p, t, stream);
-  return bf16 ? launch_backward<128, true>(p, t, stream) : launch_backward<128, false>(p, t, stream);
+  const HopperDq dq = flash_versions().backward_hopper_dq;
+  auto launch = [&](auto dq_mode) {
+    constexpr int kDq = decltype(dq_mode)::value;
+    const bool bf16 = t.q_type == DType::bf16;
+    if (p.head_dim == 64)
+      return bf16 ? launch_backward<64, true, kDq>(p, t, stream) : launch_backward<64, false, kDq>(p, t, stream);
+    return bf16 ? launch_backward<128, true, kDq>(p, t, stream) : launch_backward<128, false, kDq>(p, t, stream);
+  };
+  if (dq == HopperDq::quads) return launch(std::integral_constant<int, kDqQuads>{});
+  if (dq == HopperDq::bulk) return launch(std::integral_constant<int, kDqBulk>{});
+  return launch(std::integral_constant<int, kDqPairs>{});
 }
 
 }  // namespace memtune::cuda

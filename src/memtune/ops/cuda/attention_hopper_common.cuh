@@ -85,6 +85,18 @@ __device__ __forceinline__ void tma_store(const CUtensorMap& map, int column, in
       : "memory");
 }
 
+// The same box added element by element into global memory by the copy engine (f32 boxes: the
+// Hopper backward's dQ), rows past the tensor skipped; completes in the issuing thread's bulk
+// group, like tma_store.
+__device__ __forceinline__ void tma_reduce_add(const CUtensorMap& map, int column, int head, int row,
+                                               int batch_row, uint32_t source) {
+  asm volatile(
+      "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group [%0, {%1, %2, %3, %4}], [%5];\n" ::"l"(
+          reinterpret_cast<uint64_t>(&map)),
+      "r"(column), "r"(head), "r"(row), "r"(batch_row), "r"(source)
+      : "memory");
+}
+
 // ---- wgmma (PTX ISA: "wgmma.mma_async", "Matrix Descriptor Format") ----
 
 // A shared-memory matrix descriptor for a tile in the 128-byte swizzled layout: bits 0-13 the
@@ -245,6 +257,24 @@ bool encode_head_rows(CUtensorMap* map, const void* data, bool bf16, int64_t bat
       encode(map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
              const_cast<void*>(data), dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
              CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return result == CUDA_SUCCESS;
+}
+
+// The same map over an f32 tensor [batch, seq, heads, head_dim] (the backward's dQ accumulator):
+// boxes of 32 columns (128 bytes, the swizzle's width) x box_rows rows.
+bool encode_head_rows_f32(CUtensorMap* map, const float* data, int64_t batch, int64_t seq, int64_t heads,
+                          int64_t head_dim, uint32_t box_rows) {
+  const EncodeTiled encode = encode_tiled_function();
+  if (encode == nullptr) return false;
+  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(head_dim), static_cast<cuuint64_t>(heads),
+                              static_cast<cuuint64_t>(seq), static_cast<cuuint64_t>(batch)};
+  const cuuint64_t strides[3] = {static_cast<cuuint64_t>(head_dim * 4), static_cast<cuuint64_t>(heads * head_dim * 4),
+                                 static_cast<cuuint64_t>(seq * heads * head_dim * 4)};  // bytes, dims 1..3
+  const cuuint32_t box[4] = {kSwizzleRowBytes / 4, 1, box_rows, 1};
+  const cuuint32_t element_strides[4] = {1, 1, 1, 1};
+  const CUresult result = encode(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, const_cast<float*>(data), dims, strides, box,
+                                 element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                 CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return result == CUDA_SUCCESS;
 }
 
