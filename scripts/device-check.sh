@@ -436,8 +436,14 @@ if has_part ncu-attn; then
         -k "$kernels" --launch-count 1 "$BIN_DIR/memtune_gpu_tests" \
         --gtest_filter=CudaHopperBackwardTest.TimingPrintHopperBackward > "$WORK/ncu-$name-$shape.txt" 2>&1
       rc=$?
-      echo "ncu $name $shape: exit $rc (124: timed out); $(grep -cE '^  [A-Za-z].*\(' "$WORK/ncu-$name-$shape.txt") kernel lines;" \
-           "$(grep -m1 -E 'Duration' "$WORK/ncu-$name-$shape.txt" | tr -s ' ')"
+      echo "ncu $name $shape: exit $rc (124: timed out); the profiled kernel and its headline metrics:"
+      grep -m1 -E '^  [A-Za-z_].*\(.*\)x\(' "$WORK/ncu-$name-$shape.txt" | cut -c1-160
+      # The first of each (Speed Of Light, memory, scheduler and warp-state sections of --set full).
+      for metric in 'Duration' 'Compute \(SM\) Throughput' 'Memory Throughput' 'L1/TEX Cache Throughput' \
+                    'L2 Cache Throughput' 'DRAM Throughput' 'Issue Slots Busy' 'No Eligible' \
+                    'Warp Cycles Per Issued Instruction' 'Registers Per Thread' 'Achieved Occupancy'; do
+        grep -m1 -E "^ +$metric " "$WORK/ncu-$name-$shape.txt" | tr -s ' '
+      done
       grep -m3 -E "No kernels were profiled|==ERROR==" "$WORK/ncu-$name-$shape.txt"
     done
   done
