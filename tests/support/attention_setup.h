@@ -11,7 +11,7 @@ namespace memtune::test {
 
 // Attention over `seq` keys per row, with the softmax scale that the step uses: head_dim^-0.5.
 inline AttentionDims attention_dims(int64_t batch, int64_t seq, int64_t heads, int64_t kv_heads, int64_t head_dim) {
-  return AttentionDims{batch, seq, heads, kv_heads, head_dim, 1.0f / std::sqrt(static_cast<float>(head_dim))};
+  return AttentionDims{batch, seq, heads, kv_heads, head_dim, attention_softmax_scale(head_dim)};
 }
 
 // The AttentionDims of a test case: any struct with batch, seq, heads, kv_heads and head_dim.

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "memtune/core/memory.h"
+#include "memtune/ops/ragged_attention.h"
 
 namespace memtune {
 
@@ -150,6 +151,19 @@ void copy_from_host_converted(Backend& backend, const Tensor& dst, const void* h
   for (int64_t i = 0; i < dst.numel(); ++i)
     store_from_f32(converted.data(), dst.dtype, i, load_as_f32(aligned.data(), host_dtype, i));
   backend.copy_from_host(dst, converted.data());
+}
+
+void upload_ragged_table(Backend& backend, const int32_t* segments, const RaggedTableShape& shape,
+                         RaggedAttention& ragged) {
+  ragged.slots = ragged.sequences = ragged.max_len = 0;
+  const RaggedTableHost table = build_ragged_table(segments, shape);
+  if (table.empty()) return;
+  backend.copy_from_host(ragged.table, table.values.data());
+  ragged.sequences = table.sequences;
+  ragged.slots = table.slots;
+  ragged.max_len = table.max_len;
+  ragged.rows = shape.rows;
+  ragged.seq = shape.seq;
 }
 
 void Backend::fill_random(const Tensor& dst, Distribution distribution, float a, float b,

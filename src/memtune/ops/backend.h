@@ -17,6 +17,7 @@
 // Room ops/ (docs/ARCHITECTURE.md): the op interface and its backends; may include core/ and quant/.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -37,6 +38,9 @@ struct AttentionDims {
   int64_t tokens() const { return batch * seq; }
   int64_t group() const { return n_heads / n_kv_heads; }  // query heads per kv head (GQA)
 };
+
+// The softmax scale of scaled dot-product attention: head_dim^-0.5 (AttentionDims::scale).
+inline float attention_softmax_scale(int64_t head_dim) { return 1.0f / std::sqrt(static_cast<float>(head_dim)); }
 
 // The f32 scratch the step plans for the cuDNN attention op (Backend::attention_cudnn_*). Measured
 // on the H200 with cuDNN 9.14 (tests/gpu/test_cuda_attention_cudnn.cpp prints them): the backward
@@ -368,6 +372,15 @@ class Backend {
 // inconsistent Quantized4bit is an internal error: MT_ASSERT naming `what`).
 void check_quantized4bit_layout(const Quantized4bit& q, std::string_view what);
 // ---- end QLoRA: quantize on the device ----
+
+struct RaggedTableShape;  // ops/ragged_attention.h
+
+// The sequence table of `segments` (shape.rows * shape.seq ids; build_ragged_table) uploaded into
+// ragged.table, whose capacity the caller has set (shape.capacity), and ragged's counts filled in.
+// Where no table can be made (an id that comes back within a row, offsets past i32) ragged is left
+// empty: the flash op, whose mask knows the ids, runs instead.
+void upload_ragged_table(Backend& backend, const int32_t* segments, const RaggedTableShape& shape,
+                         RaggedAttention& ragged);
 
 // copy_from_host with a dtype conversion on the host (f32/f16/bf16 -> dst.dtype). `host` need
 // not be aligned for its dtype (safetensors data is not).

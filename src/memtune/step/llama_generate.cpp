@@ -124,7 +124,7 @@ void LlamaGenerator::attention(int layer, const Tensor& q, const Tensor& out, in
   dims.n_heads = config_.num_attention_heads;
   dims.n_kv_heads = config_.num_key_value_heads;
   dims.head_dim = config_.head_dim;
-  dims.scale = 1.0f / std::sqrt(static_cast<float>(config_.head_dim));
+  dims.scale = attention_softmax_scale(config_.head_dim);
   if (first == 0) {
     // A prefill: queries and keys share positions [0, n), the training step's causal case.
     dims.seq = n;

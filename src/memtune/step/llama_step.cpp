@@ -154,7 +154,7 @@ AttentionDims LlamaStep::attention_dims() const {
   d.n_heads = config_.num_attention_heads;
   d.n_kv_heads = config_.num_key_value_heads;
   d.head_dim = config_.head_dim;
-  d.scale = 1.0f / std::sqrt(static_cast<float>(config_.head_dim));
+  d.scale = attention_softmax_scale(config_.head_dim);
   d.window = config_.sliding_window;
   return d;
 }
@@ -860,14 +860,7 @@ void LlamaStep::set_packed_segments(const int32_t* segments, int64_t rows, int64
   shape.n_heads = config_.num_attention_heads;
   shape.n_kv_heads = config_.num_key_value_heads;
   shape.head_dim = config_.head_dim;
-  const RaggedTableHost table = build_ragged_table(segments, shape);
-  if (table.empty()) return;  // the flash op, whose mask knows the ids
-  backend_.copy_from_host(r.table, table.values.data());
-  r.sequences = table.sequences;
-  r.slots = table.slots;
-  r.max_len = table.max_len;
-  r.rows = rows;
-  r.seq = seq;
+  upload_ragged_table(backend_, segments, shape, r);  // left empty: the flash op runs
 }
 // ---- end packed rows on cuDNN ----
 

@@ -39,7 +39,7 @@ AttentionDims dims_of(const AttentionShape& s) {
   d.n_heads = s.n_heads;
   d.n_kv_heads = s.n_kv_heads;
   d.head_dim = s.head_dim;
-  d.scale = 1.0f / std::sqrt(static_cast<float>(s.head_dim));
+  d.scale = attention_softmax_scale(s.head_dim);
   return d;
 }
 
@@ -172,17 +172,9 @@ double time_attention(Backend& backend, const AttentionShape& s, const std::stri
       table_shape.n_heads = s.n_heads;
       table_shape.n_kv_heads = s.n_kv_heads;
       table_shape.head_dim = s.head_dim;
-      const RaggedTableHost table = build_ragged_table(ids.data(), table_shape);
-      if (!table.empty()) {
-        backend.copy_from_host(t.ragged_table, table.values.data());
-        ragged.table = t.ragged_table;
-        ragged.capacity = table_shape.capacity;
-        ragged.sequences = table.sequences;
-        ragged.slots = table.slots;
-        ragged.max_len = table.max_len;
-        ragged.rows = s.batch;
-        ragged.seq = s.seq;
-      }
+      ragged.table = t.ragged_table;
+      ragged.capacity = table_shape.capacity;
+      upload_ragged_table(backend, ids.data(), table_shape, ragged);
     }
   }
   const AttentionDims dims = dims_of(s);
