@@ -577,30 +577,32 @@ std::atomic<bool>& forward_hopper_flag() {
 
 // MEMTUNE_FLASH_BACKWARD, read once: unset or "hopper" (the Hopper backward, dQ by 2-float
 // reductions), "hopper-dq4" (4-float reductions), "hopper-dqtma" (bulk reduce-adds of shared-memory
-// tiles) or "v2". Any other value aborts, as for MEMTUNE_FLASH_FORWARD.
-const char* backward_environment() {
-  static const char* const value = [] {
+// tiles) or "v2" (backward v2). Any other value aborts, as for MEMTUNE_FLASH_FORWARD.
+struct BackwardChoice {
+  bool hopper = true;
+  HopperDq dq = HopperDq::pairs;
+};
+const BackwardChoice& backward_environment() {
+  static const BackwardChoice choice = [] {
     const char* v = std::getenv("MEMTUNE_FLASH_BACKWARD");
-    if (v == nullptr || std::strcmp(v, "hopper") == 0) return "hopper";
-    for (const char* known : {"hopper-dq4", "hopper-dqtma", "v2"})
-      if (std::strcmp(v, known) == 0) return known;
+    if (v == nullptr || std::strcmp(v, "hopper") == 0) return BackwardChoice{};
+    if (std::strcmp(v, "hopper-dq4") == 0) return BackwardChoice{true, HopperDq::quads};
+    if (std::strcmp(v, "hopper-dqtma") == 0) return BackwardChoice{true, HopperDq::bulk};
+    if (std::strcmp(v, "v2") == 0) return BackwardChoice{false, HopperDq::pairs};
     cuda_check_failed("getenv(\"MEMTUNE_FLASH_BACKWARD\")", "environment",
                       "MEMTUNE_FLASH_BACKWARD takes v2, hopper, hopper-dq4 or hopper-dqtma", __FILE__, __LINE__);
   }();
-  return value;
+  return choice;
 }
 
-// Whether the Hopper backward may run (MEMTUNE_FLASH_BACKWARD=v2: no).
+// Whether the Hopper backward may run, and how it adds dQ: their start values from the environment.
 std::atomic<bool>& backward_hopper_flag() {
-  static std::atomic<bool> flag{std::strcmp(backward_environment(), "v2") != 0};
+  static std::atomic<bool> flag{backward_environment().hopper};
   return flag;
 }
 
-// How it adds dQ (MEMTUNE_FLASH_BACKWARD=hopper-dq4: quads, hopper-dqtma: bulk, else pairs).
 std::atomic<HopperDq>& backward_dq_value() {
-  static std::atomic<HopperDq> mode{std::strcmp(backward_environment(), "hopper-dq4") == 0     ? HopperDq::quads
-                                    : std::strcmp(backward_environment(), "hopper-dqtma") == 0 ? HopperDq::bulk
-                                                                                               : HopperDq::pairs};
+  static std::atomic<HopperDq> mode{backward_environment().dq};
   return mode;
 }
 

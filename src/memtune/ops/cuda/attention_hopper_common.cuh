@@ -240,42 +240,39 @@ EncodeTiled encode_tiled_function() {
   return function;
 }
 
-// A [batch][seq][heads][head_dim] tensor of 16-bit rows as a 4-D tensor map whose box is one
-// 64-column (128-byte) chunk of `box_rows` rows of one head, written to shared memory in the
-// 128-byte swizzle; rows past seq read as zeros (and are not written by stores).
-bool encode_head_rows(CUtensorMap* map, const void* data, bool bf16, int64_t batch, int64_t seq,
-                      int64_t heads, int64_t head_dim, uint32_t box_rows) {
+// A [batch][seq][heads][head_dim] tensor of `element_bytes`-byte elements as a 4-D tensor map
+// whose box is one 128-byte-wide chunk of columns (kSwizzleRowBytes / element_bytes of them) of
+// `box_rows` rows of one head, in shared memory in the 128-byte swizzle; rows past seq read as
+// zeros (and are not written by stores or reduce-adds).
+bool encode_swizzled_head_rows(CUtensorMap* map, const void* data, CUtensorMapDataType type, uint32_t element_bytes,
+                               int64_t batch, int64_t seq, int64_t heads, int64_t head_dim, uint32_t box_rows) {
   const EncodeTiled encode = encode_tiled_function();
   if (encode == nullptr) return false;
+  const int64_t row_bytes = head_dim * element_bytes;
   const cuuint64_t dims[4] = {static_cast<cuuint64_t>(head_dim), static_cast<cuuint64_t>(heads),
                               static_cast<cuuint64_t>(seq), static_cast<cuuint64_t>(batch)};
-  const cuuint64_t strides[3] = {static_cast<cuuint64_t>(head_dim * 2), static_cast<cuuint64_t>(heads * head_dim * 2),
-                                 static_cast<cuuint64_t>(seq * heads * head_dim * 2)};  // bytes, dims 1..3
-  const cuuint32_t box[4] = {kChunkColumns, 1, box_rows, 1};
+  const cuuint64_t strides[3] = {static_cast<cuuint64_t>(row_bytes), static_cast<cuuint64_t>(heads * row_bytes),
+                                 static_cast<cuuint64_t>(seq * heads * row_bytes)};  // bytes, dims 1..3
+  const cuuint32_t box[4] = {kSwizzleRowBytes / element_bytes, 1, box_rows, 1};
   const cuuint32_t element_strides[4] = {1, 1, 1, 1};
-  const CUresult result =
-      encode(map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
-             const_cast<void*>(data), dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-             CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  const CUresult result = encode(map, type, 4, const_cast<void*>(data), dims, strides, box, element_strides,
+                                 CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                 CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return result == CUDA_SUCCESS;
 }
 
-// The same map over an f32 tensor [batch, seq, heads, head_dim] (the backward's dQ accumulator):
-// boxes of 32 columns (128 bytes, the swizzle's width) x box_rows rows.
+// 16-bit rows (q, k, v, out, d_out): boxes of one 64-column chunk.
+bool encode_head_rows(CUtensorMap* map, const void* data, bool bf16, int64_t batch, int64_t seq,
+                      int64_t heads, int64_t head_dim, uint32_t box_rows) {
+  return encode_swizzled_head_rows(map, data, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+                                   2, batch, seq, heads, head_dim, box_rows);
+}
+
+// f32 rows (the backward's dQ accumulator): boxes of 32 columns.
 bool encode_head_rows_f32(CUtensorMap* map, const float* data, int64_t batch, int64_t seq, int64_t heads,
                           int64_t head_dim, uint32_t box_rows) {
-  const EncodeTiled encode = encode_tiled_function();
-  if (encode == nullptr) return false;
-  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(head_dim), static_cast<cuuint64_t>(heads),
-                              static_cast<cuuint64_t>(seq), static_cast<cuuint64_t>(batch)};
-  const cuuint64_t strides[3] = {static_cast<cuuint64_t>(head_dim * 4), static_cast<cuuint64_t>(heads * head_dim * 4),
-                                 static_cast<cuuint64_t>(seq * heads * head_dim * 4)};  // bytes, dims 1..3
-  const cuuint32_t box[4] = {kSwizzleRowBytes / 4, 1, box_rows, 1};
-  const cuuint32_t element_strides[4] = {1, 1, 1, 1};
-  const CUresult result = encode(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, const_cast<float*>(data), dims, strides, box,
-                                 element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                                 CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  return result == CUDA_SUCCESS;
+  return encode_swizzled_head_rows(map, data, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, batch, seq, heads, head_dim,
+                                   box_rows);
 }
 
 // Whether the current device is compute capability 9.0 and the binary holds the sm_90a image of
