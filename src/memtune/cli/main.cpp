@@ -754,11 +754,13 @@ int run_cli(int argc, char** argv) {
   // allocated.
   // Several ranks run on GPUs only (the communicator refuses CPU ranks after the budget check).
   const Device planned_device = launch.world_size > 1 ? Device::cuda : backend->device();
+  const uint64_t budget_bytes = vram.empty() ? 0 : parse_bytes(vram);  // 0: no --vram
   // --attn_implementation auto on one GPU: the faster of the own kernel and cuDNN at this run's
   // shape, measured once and cached (several ranks keep the rule: each would measure on its own).
+  // The context is measured again for the budget check below: the probe may create handles.
   if (attention_auto && launch.world_size == 1) {
-    const std::string picked = resolve_auto_attention(*backend, run, model, vram.empty() ? 0 : parse_bytes(vram),
-                                                      measured_context_reserve_bytes(*backend));
+    const std::string picked =
+        resolve_auto_attention(*backend, run, model, budget_bytes, measured_context_reserve_bytes(*backend));
     if (!picked.empty()) std::cerr << "memtune: " << picked << "\n";
   }
   const Plan plan = plan_run(run, model, planned_device, launch.world_size);
@@ -798,7 +800,7 @@ int run_cli(int argc, char** argv) {
   options.eval_data_name = eval_name;
   options.metrics_path = metrics_path;
   options.planned_peak_bytes = plan.arena_bytes;
-  options.budget_bytes = vram.empty() ? 0 : parse_bytes(vram);
+  options.budget_bytes = budget_bytes;
   options.profiler = profiler ? &*profiler : nullptr;
   options.quiet = quiet;
   options.overwrite_output_dir = overwrite_output_dir;
