@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <functional>
 
 #include "flash_versions_scope.h"
@@ -412,6 +413,48 @@ TEST_F(CudaHopperBackwardTest, TimingPrintHopperBackward) {
     EXPECT_LT(dv_error, storage_tolerance(DType::bf16)) << label(c, DType::bf16);
     EXPECT_EQ(cudaGetLastError(), cudaSuccess);
   }
+}
+
+// MEMTUNE_FLASH_BACKWARD, read once per process: each value sets the backward's start versions, and
+// an unknown one aborts naming the values it takes. No GPU is needed (CI runs it): each statement
+// runs in a fresh process (threadsafe death tests re-run the binary), where the variable has not
+// been read yet.
+TEST(FlashVersionsEnvironment, BackwardValuesSetTheVersionsAndAnUnknownOneAborts) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  auto exit_code = [](bool hopper, cuda::HopperDq dq) {
+    const cuda::FlashVersions versions = cuda::flash_versions();
+    return versions.backward_hopper == hopper && versions.backward_hopper_dq == dq ? 0 : 1;
+  };
+  EXPECT_EXIT(
+      {
+        ::unsetenv("MEMTUNE_FLASH_BACKWARD");
+        std::exit(exit_code(true, cuda::HopperDq::pairs));
+      },
+      ::testing::ExitedWithCode(0), "");
+  EXPECT_EXIT(
+      {
+        ::setenv("MEMTUNE_FLASH_BACKWARD", "v2", 1);
+        std::exit(exit_code(false, cuda::HopperDq::pairs));
+      },
+      ::testing::ExitedWithCode(0), "");
+  EXPECT_EXIT(
+      {
+        ::setenv("MEMTUNE_FLASH_BACKWARD", "hopper-dq4", 1);
+        std::exit(exit_code(true, cuda::HopperDq::quads));
+      },
+      ::testing::ExitedWithCode(0), "");
+  EXPECT_EXIT(
+      {
+        ::setenv("MEMTUNE_FLASH_BACKWARD", "hopper-dqtma", 1);
+        std::exit(exit_code(true, cuda::HopperDq::bulk));
+      },
+      ::testing::ExitedWithCode(0), "");
+  EXPECT_DEATH(
+      {
+        ::setenv("MEMTUNE_FLASH_BACKWARD", "hopper-fast", 1);
+        (void)cuda::flash_versions();
+      },
+      "MEMTUNE_FLASH_BACKWARD takes v2, hopper, hopper-dq4 or hopper-dqtma");
 }
 
 }  // namespace
