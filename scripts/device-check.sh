@@ -8,8 +8,8 @@
 #     PARTS    comma list, default tests,sanitizer,ladder,peer:
 #       tests      memtune_gpu_tests (every kernel and whole steps against the CPU backend)
 #       sanitizer  compute-sanitizer memcheck and racecheck on a short training run
-#       sanitizer-tests  compute-sanitizer memcheck and racecheck on the GPU tests of SANITIZER_FILTER
-#                  (default: the Hopper forward's correctness tests), SANITIZER_TIMEOUT (150 s) each
+#       sanitizer-tests  compute-sanitizer memcheck and racecheck (SANITIZER_TOOLS) on the GPU tests of
+#                  SANITIZER_FILTER (default: the Hopper forward's correctness tests), SANITIZER_TIMEOUT (150 s) each
 #       ncu-attn   Nsight Compute (--set full, --clock-control none) on one launch of the Hopper
 #                  backward's main pass and one of cuDNN's backward kernels a shape of NCU_SHAPES
 #                  (default "b8_s2048_d128 b2_s8192_d128"), picked by the NVTX ranges of
@@ -240,7 +240,7 @@ fi
 # and 128): their correctness GPU tests (SANITIZER_FILTER) under memcheck and racecheck.
 if has_part sanitizer-tests; then
   stamp sanitizer-tests
-  for tool in memcheck racecheck; do
+  for tool in ${SANITIZER_TOOLS:-memcheck racecheck}; do
     timeout "${SANITIZER_TIMEOUT:-150}" compute-sanitizer --tool "$tool" --error-exitcode 9 \
       "$BIN_DIR/memtune_gpu_tests" --gtest_filter="${SANITIZER_FILTER:-CudaHopperAttentionTest.*-*Timing*}" \
       > "$WORK/sanitizer-tests-$tool.log" 2>&1
@@ -455,18 +455,23 @@ if has_part attn-step; then
   stamp attn-step
   A="$WORK/attn-step"; mkdir -p "$A"
   QLORA_FLASH="--load_in_4bit --bf16 --gradient_checkpointing --loss_implementation chunked --offload_embeddings"
+  # An entry is a MEMTUNE_FLASH_BACKWARD value, or VALUE:ORDER with a MEMTUNE_FLASH_BACKWARD_ORDER.
   for round in $(seq "${ATTN_STEP_ROUNDS:-2}"); do
-    for backward in ${ATTN_STEP_BACKWARDS:-v2 hopper}; do
-      MEMTUNE_FLASH_BACKWARD=$backward timed_train "$A" "c1-$backward-$round" 150 $QLORA_FLASH --attn_implementation flash \
-        --batch 2 --accum 2 --seq 2048 --lora_r 16 --lora_alpha 16 --max_steps 6
+    for entry in ${ATTN_STEP_BACKWARDS:-v2 hopper}; do
+      backward=${entry%%:*}; order=keys; [ "$entry" != "$backward" ] && order=${entry#*:}
+      MEMTUNE_FLASH_BACKWARD=$backward MEMTUNE_FLASH_BACKWARD_ORDER=$order timed_train "$A" "c1-${entry/:/-}-$round" 150 \
+        $QLORA_FLASH --attn_implementation flash --batch 2 --accum 2 --seq 2048 --lora_r 16 --lora_alpha 16 --max_steps 6
     done
   done
-  for backward in ${ATTN_STEP_BACKWARDS:-v2 hopper}; do
-    MEMTUNE_FLASH_BACKWARD=$backward timed_train "$A" "s32k-$backward" 200 $QLORA_FLASH --attn_implementation flash \
-      --batch 1 --accum 1 --seq 32768 --lora_r 16 --lora_alpha 16 --max_steps 4
+  for entry in ${ATTN_STEP_BACKWARDS:-v2 hopper}; do
+    backward=${entry%%:*}; order=keys; [ "$entry" != "$backward" ] && order=${entry#*:}
+    MEMTUNE_FLASH_BACKWARD=$backward MEMTUNE_FLASH_BACKWARD_ORDER=$order timed_train "$A" "s32k-${entry/:/-}" 200 \
+      $QLORA_FLASH --attn_implementation flash --batch 1 --accum 1 --seq 32768 --lora_r 16 --lora_alpha 16 --max_steps 4
   done
-  timed_train "$A" "s32k-cudnn" 200 $QLORA_FLASH --attn_implementation cudnn \
-    --batch 1 --accum 1 --seq 32768 --lora_r 16 --lora_alpha 16 --max_steps 4
+  if [ "${ATTN_STEP_CUDNN:-1}" = 1 ]; then
+    timed_train "$A" "s32k-cudnn" 200 $QLORA_FLASH --attn_implementation cudnn \
+      --batch 1 --accum 1 --seq 32768 --lora_r 16 --lora_alpha 16 --max_steps 4
+  fi
 fi
 
 # The --vram verdict at its edge: the longest context `fit --max-context` accepts under EDGE_VRAM

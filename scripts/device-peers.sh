@@ -31,6 +31,8 @@
 #     n   issue 23: the Hopper backward's ways of adding dQ (2- and 4-float reductions, bulk
 #         reduce-adds): its GPU tests, each in training steps (as m), compute-sanitizer on its
 #         packed-row test, Nsight Compute (ncu-attn)
+#     o   issue 23: the Hopper backward's block and item orders (keys, rising, falling) with dQ by
+#         bulk reduce-adds: its GPU tests, each order in training steps, racecheck on its packed rows
 #     ab  a kernel change's call: the whole GPU test suite (TEST_FILTER, default all) and compute-sanitizer
 #         (AB_PARTS, default tests,sanitizer), then memtune's
 #         configurations 1 and 3 (AB_CONFIGS) with BIN_DIR and with BASE_BIN_DIR (required)
@@ -191,6 +193,18 @@ case "$CALL" in
       check "$BIN_DIR" sanitizer-tests
     check "$BIN_DIR" ncu-attn
     ;;
+  o)
+    # Issue 23: the Hopper backward's block and item orders (MEMTUNE_FLASH_BACKWARD_ORDER: keys,
+    # rising, falling) with dQ by bulk reduce-adds: its GPU tests (every order against v2, the
+    # timing print with each), each order in training steps (configuration 1 and 1 x 32768), then
+    # racecheck on the packed-row test (the bulk way at head_dim 64 had reported hazards).
+    GTEST_FILTER=${TEST_FILTER:-'CudaHopperBackwardTest.*'} TEST_TIMEOUT=${TEST_TIMEOUT:-150} check "$BIN_DIR" tests
+    ATTN_STEP_ROUNDS=1 ATTN_STEP_CUDNN=0 \
+      ATTN_STEP_BACKWARDS=${ATTN_STEP_BACKWARDS:-'hopper-dqtma:keys hopper-dqtma:rising hopper-dqtma:falling'} \
+      check "$BIN_DIR" attn-step
+    SANITIZER_TOOLS=racecheck SANITIZER_TIMEOUT=${SANITIZER_TIMEOUT:-150} \
+      SANITIZER_FILTER=${SANITIZER_FILTER:-'CudaHopperBackwardTest.PackedRowsMatchCpu'} check "$BIN_DIR" sanitizer-tests
+    ;;
   ab)
     : "${BASE_BIN_DIR:?device-peers ab: set BASE_BIN_DIR to the binaries to compare against}"
     AB_PARTS=${AB_PARTS:-tests,sanitizer}  # "-": only the A/B (the tests ran in a call before)
@@ -200,6 +214,6 @@ case "$CALL" in
       CONFIGS=${AB_CONFIGS:-qlora,lora16} CONFIG_STEPS=6 check "$BASE_BIN_DIR" configs
     done
     ;;
-  *) echo "device-peers: unknown call $CALL (a, b, c, d, e, f, g, h, k, l, m, n or ab)" >&2; exit 2 ;;
+  *) echo "device-peers: unknown call $CALL (a, b, c, d, e, f, g, h, k, l, m, n, o or ab)" >&2; exit 2 ;;
 esac
 echo "== $(date -u +%T) done" | tee -a "$OUT/dates.txt"

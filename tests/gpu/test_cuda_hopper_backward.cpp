@@ -15,6 +15,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "flash_versions_scope.h"
 #include "gpu_test_util.h"
@@ -38,11 +41,21 @@ using hopper::relative_error;
 using hopper::segment_ids;
 
 // The current flash versions with the Hopper backward turned on or off, and how it adds dQ.
-cuda::FlashVersions versions_with_hopper_backward(bool on, cuda::HopperDq dq = cuda::HopperDq::pairs) {
+cuda::FlashVersions versions_with_hopper_backward(bool on, cuda::HopperDq dq = cuda::HopperDq::pairs,
+                                                  cuda::HopperOrder order = cuda::HopperOrder::keys_first) {
   cuda::FlashVersions versions = cuda::flash_versions();
   versions.backward_hopper = on;
   versions.backward_hopper_dq = dq;
+  versions.backward_hopper_order = order;
   return versions;
+}
+
+// The Hopper backward's block and item orders other than keys_first, and the names of all three.
+constexpr cuda::HopperOrder kRowOrders[] = {cuda::HopperOrder::rows_rising, cuda::HopperOrder::rows_falling};
+const char* order_name(cuda::HopperOrder order) {
+  return order == cuda::HopperOrder::rows_rising    ? "rows, query blocks rising"
+         : order == cuda::HopperOrder::rows_falling ? "rows, query blocks falling"
+                                                    : "key blocks first";
 }
 
 // The Hopper backward's two ways of adding dQ, and their names in messages.
@@ -83,8 +96,9 @@ class CudaHopperBackwardTest : public CudaTest {
   // outputs poisoned first.
   Gradients backend_backward(bool hopper, DType type, const Config& c, const Tensor& d_out, const Tensor& out,
                              const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
-                             const Tensor& segments = Tensor{}, cuda::HopperDq dq_mode = cuda::HopperDq::pairs) {
-    const FlashVersionsScope choice(versions_with_hopper_backward(hopper, dq_mode));
+                             const Tensor& segments = Tensor{}, cuda::HopperDq dq_mode = cuda::HopperDq::pairs,
+                             cuda::HopperOrder order = cuda::HopperOrder::keys_first) {
+    const FlashVersionsScope choice(versions_with_hopper_backward(hopper, dq_mode, order));
     const AttentionDims dims = test::attention_dims_of(c);
     const Shape q_shape = q.shape, kv_shape = k.shape, rows{c.batch * c.heads * c.seq};
     DeviceTensor dq = poisoned(type, q_shape), dk = poisoned(type, kv_shape), dv = poisoned(type, kv_shape);
@@ -207,6 +221,31 @@ TEST_F(CudaHopperBackwardTest, BackendBackwardMatchesV2AtOddShapes) {
               EXPECT_LT(relative_error(other.dq, hopper.dq, finite), storage_tolerance(type)) << "dq";
               EXPECT_TRUE(finite) << "dq: non-finite values (unwritten or NaN)";
             }
+
+            // The other block and item orders, each way of adding dQ: dk and dv summed in another
+            // order (within the tolerance of keys_first's), the same bit for bit whichever way dQ is
+            // added within one order; dq within the tolerance.
+            for (const cuda::HopperOrder order : kRowOrders) {
+              SCOPED_TRACE(order_name(order));
+              Gradients first;
+              for (const cuda::HopperDq dq : kDqModes) {
+                SCOPED_TRACE(dq_mode_name(dq));
+                const Gradients other = backend_backward(true, type, c, d_out, out, lse, q, k, v, none, dq, order);
+                for (const auto& [what, a, b] : {std::tuple{"dq", &other.dq, &hopper.dq},
+                                                 std::tuple{"dk", &other.dk, &hopper.dk},
+                                                 std::tuple{"dv", &other.dv, &hopper.dv}}) {
+                  finite = false;
+                  EXPECT_LT(relative_error(*a, *b, finite), storage_tolerance(type)) << what << " vs keys_first";
+                  EXPECT_TRUE(finite) << what << ": non-finite values (unwritten or NaN)";
+                }
+                if (dq == cuda::HopperDq::pairs) {
+                  first = other;
+                } else {
+                  EXPECT_TRUE(other.dk == first.dk) << "dk differs between ways of adding dQ";
+                  EXPECT_TRUE(other.dv == first.dv) << "dv differs between ways of adding dQ";
+                }
+              }
+            }
           }
   EXPECT_EQ(cudaGetLastError(), cudaSuccess);
 }
@@ -234,9 +273,14 @@ TEST_F(CudaHopperBackwardTest, PackedRowsMatchCpu) {
         ASSERT_TRUE(cuda::flash_backward_hopper_serves(params_of(c, ids), t)) << "packed rows are served";
       }
       const Gradients v2 = backend_backward(false, type, c, d_out, out, lse, q, k, v, ids);
-      for (const cuda::HopperDq dq : kDqModes) {
-        SCOPED_TRACE(dq_mode_name(dq));
-        const Gradients hopper = backend_backward(true, type, c, d_out, out, lse, q, k, v, ids, dq);
+      // Each way of adding dQ in the keys_first order, and the other orders with the bulk way (the
+      // odd-shape test above runs every pair on rows without ids).
+      std::vector<std::pair<cuda::HopperDq, cuda::HopperOrder>> runs;
+      for (const cuda::HopperDq dq : kDqModes) runs.emplace_back(dq, cuda::HopperOrder::keys_first);
+      for (const cuda::HopperOrder order : kRowOrders) runs.emplace_back(cuda::HopperDq::bulk, order);
+      for (const auto& [dq, order] : runs) {
+        SCOPED_TRACE(std::string(dq_mode_name(dq)) + ", " + order_name(order));
+        const Gradients hopper = backend_backward(true, type, c, d_out, out, lse, q, k, v, ids, dq, order);
         expect_close("hopper packed dq", hopper.dq, ref.dq.floats(), storage_tolerance(type));
         expect_close("hopper packed dk", hopper.dk, ref.dk.floats(), storage_tolerance(type));
         expect_close("hopper packed dv", hopper.dv, ref.dv.floats(), storage_tolerance(type));
@@ -367,6 +411,15 @@ TEST_F(CudaHopperBackwardTest, TimingPrintHopperBackward) {
       (mode == cuda::HopperDq::quads ? main_pass_quads : main_pass_bulk) = main;
       (mode == cuda::HopperDq::quads ? hopper_quads : hopper_bulk) = whole;
     }
+    // The other orders with dQ by bulk reduce-adds.
+    double main_pass_order[2] = {0.0, 0.0}, hopper_order[2] = {0.0, 0.0};
+    for (int i = 0; i < 2; ++i) {
+      const FlashVersionsScope other(versions_with_hopper_backward(true, cuda::HopperDq::bulk, kRowOrders[i]));
+      main_pass_order[i] = time_ms([&] { cuda::launch_flash_backward_hopper(params_of(c), t, nullptr); });
+      hopper_order[i] = time_ms([&] {
+        gpu().attention_flash_backward(dq, dk, dv, delta, dq_accum, d_out, out, lse, q, k, v, none, dims);
+      });
+    }
     {
       const FlashVersionsScope off(versions_with_hopper_backward(false));
       v2 = time_ms([&] {
@@ -399,6 +452,10 @@ TEST_F(CudaHopperBackwardTest, TimingPrintHopperBackward) {
                 hopper_quads, tflops(hopper_quads), main_pass_quads, tflops(main_pass_quads));
     std::printf("  hopper, dQ by TMA     %8.3f ms %7.1f TFLOP/s (main pass only %.3f ms, %.1f TFLOP/s)\n",
                 hopper_bulk, tflops(hopper_bulk), main_pass_bulk, tflops(main_pass_bulk));
+    for (int i = 0; i < 2; ++i)
+      std::printf("  hopper, TMA, %-26s %8.3f ms %7.1f TFLOP/s (main pass only %.3f ms, %.1f TFLOP/s)\n",
+                  order_name(kRowOrders[i]), hopper_order[i], tflops(hopper_order[i]), main_pass_order[i],
+                  tflops(main_pass_order[i]));
     std::printf("  v2 (mma.sync)         %8.3f ms %7.1f TFLOP/s\n", v2, tflops(v2));
     if (cudnn > 0.0) std::printf("  cudnn                 %8.3f ms %7.1f TFLOP/s\n", cudnn, tflops(cudnn));
 
@@ -455,6 +512,35 @@ TEST(FlashVersionsEnvironment, BackwardValuesSetTheVersionsAndAnUnknownOneAborts
         (void)cuda::flash_versions();
       },
       "MEMTUNE_FLASH_BACKWARD takes v2, hopper, hopper-dq4 or hopper-dqtma");
+}
+
+// MEMTUNE_FLASH_BACKWARD_ORDER, likewise: keys (or unset), rising, falling; anything else aborts.
+TEST(FlashVersionsEnvironment, BackwardOrderValuesSetTheOrderAndAnUnknownOneAborts) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  auto exit_code = [](cuda::HopperOrder order) { return cuda::flash_versions().backward_hopper_order == order ? 0 : 1; };
+  EXPECT_EXIT(
+      {
+        ::unsetenv("MEMTUNE_FLASH_BACKWARD_ORDER");
+        std::exit(exit_code(cuda::HopperOrder::keys_first));
+      },
+      ::testing::ExitedWithCode(0), "");
+  for (const auto& [value, order] : {std::pair{"keys", cuda::HopperOrder::keys_first},
+                                     std::pair{"rising", cuda::HopperOrder::rows_rising},
+                                     std::pair{"falling", cuda::HopperOrder::rows_falling}}) {
+    SCOPED_TRACE(value);
+    EXPECT_EXIT(
+        {
+          ::setenv("MEMTUNE_FLASH_BACKWARD_ORDER", value, 1);
+          std::exit(exit_code(order));
+        },
+        ::testing::ExitedWithCode(0), "");
+  }
+  EXPECT_DEATH(
+      {
+        ::setenv("MEMTUNE_FLASH_BACKWARD_ORDER", "rows", 1);
+        (void)cuda::flash_versions();
+      },
+      "MEMTUNE_FLASH_BACKWARD_ORDER takes keys, rising or falling");
 }
 
 }  // namespace

@@ -14,6 +14,17 @@ namespace memtune::cuda {
 //         (cp.reduce.async.bulk.tensor), two 128-byte-wide boxes an item.
 enum class HopperDq { pairs, quads, bulk };
 
+// The order in which the Hopper backward's blocks and their items run. dQ's fp32 adds hit L2 only
+// where a query tile's adds from the key blocks that see it come close together in time:
+//  keys_first    key blocks slowest over the grid (the longest, first keys of each row start
+//                first), each block's items head by head, query blocks rising: a tile's adds
+//                are spread over the whole launch;
+//  rows_rising   rows (kv head, batch row) slowest, key blocks within, each block's items query
+//                block by query block with the group's heads fastest, rising from the diagonal;
+//  rows_falling  as rows_rising, query blocks falling from the row's last: a row's blocks that
+//                start together add into the same query tile at once.
+enum class HopperOrder { keys_first, rows_rising, rows_falling };
+
 struct FlashVersions {
   bool forward_hopper = true;           // the Hopper forward (attention_hopper.h: compute capability
                                         // 9.0, the sm_90a object in the build) where it serves the
@@ -27,6 +38,10 @@ struct FlashVersions {
                                                    // fp32 accumulator (HopperDq); not yet measured
                                                    // beyond pairs. MEMTUNE_FLASH_BACKWARD=hopper-dq4
                                                    // or hopper-dqtma sets the start value
+  HopperOrder backward_hopper_order = HopperOrder::keys_first;  // the Hopper backward's block and
+                                                               // item order (HopperOrder);
+                                                               // MEMTUNE_FLASH_BACKWARD_ORDER=keys,
+                                                               // rising or falling sets the start value
   int forward_keys = 0;                 // keys per block: 32 or 64 (where shared memory allows),
                                         // 0 the default; MEMTUNE_FLASH_FWD_KEYS sets the start value
   bool forward_grid_per_head = false;   // heaviest query blocks first per head, not grid-wide

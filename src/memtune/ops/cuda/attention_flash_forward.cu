@@ -606,6 +606,20 @@ std::atomic<HopperDq>& backward_dq_value() {
   return mode;
 }
 
+// The Hopper backward's order (MEMTUNE_FLASH_BACKWARD_ORDER: unset or "keys", "rising", "falling";
+// any other value aborts), read once.
+std::atomic<HopperOrder>& backward_order_value() {
+  static std::atomic<HopperOrder> order{[] {
+    const char* v = std::getenv("MEMTUNE_FLASH_BACKWARD_ORDER");
+    if (v == nullptr || std::strcmp(v, "keys") == 0) return HopperOrder::keys_first;
+    if (std::strcmp(v, "rising") == 0) return HopperOrder::rows_rising;
+    if (std::strcmp(v, "falling") == 0) return HopperOrder::rows_falling;
+    cuda_check_failed("getenv(\"MEMTUNE_FLASH_BACKWARD_ORDER\")", "environment",
+                      "MEMTUNE_FLASH_BACKWARD_ORDER takes keys, rising or falling", __FILE__, __LINE__);
+  }()};
+  return order;
+}
+
 // Forward v2's keys per block (MEMTUNE_FLASH_FWD_KEYS=32 or 64; else 0, the default); read once.
 std::atomic<int>& forward_keys_value() {
   static std::atomic<int> keys{[] {
@@ -638,6 +652,7 @@ FlashVersions flash_versions() {
   versions.forward_hopper = forward_hopper_flag().load(std::memory_order_relaxed);
   versions.backward_hopper = backward_hopper_flag().load(std::memory_order_relaxed);
   versions.backward_hopper_dq = backward_dq_value().load(std::memory_order_relaxed);
+  versions.backward_hopper_order = backward_order_value().load(std::memory_order_relaxed);
   versions.forward_keys = forward_keys_value().load(std::memory_order_relaxed);
   versions.forward_grid_per_head = forward_grid_per_head_flag().load(std::memory_order_relaxed);
   versions.forward_rescale_always = forward_rescale_always_flag().load(std::memory_order_relaxed);
@@ -649,6 +664,7 @@ void set_flash_versions(const FlashVersions& versions) {
   forward_hopper_flag().store(versions.forward_hopper, std::memory_order_relaxed);
   backward_hopper_flag().store(versions.backward_hopper, std::memory_order_relaxed);
   backward_dq_value().store(versions.backward_hopper_dq, std::memory_order_relaxed);
+  backward_order_value().store(versions.backward_hopper_order, std::memory_order_relaxed);
   forward_keys_value().store(versions.forward_keys, std::memory_order_relaxed);
   forward_grid_per_head_flag().store(versions.forward_grid_per_head, std::memory_order_relaxed);
   forward_rescale_always_flag().store(versions.forward_rescale_always, std::memory_order_relaxed);

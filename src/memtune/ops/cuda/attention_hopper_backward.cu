@@ -98,6 +98,8 @@ struct HopperBackwardArgs {
   void* dk = nullptr;            // 16-bit, k's layout
   void* dv = nullptr;
   const int32_t* segments = nullptr;  // i32 [batch, seq] (kSegments), else null
+  int key_blocks = 0;                 // key blocks a row: ceil(seq / kBackwardKeys)
+  HopperOrder order = HopperOrder::keys_first;
 };
 
 #ifdef MEMTUNE_HOPPER_DEVICE_CODE
@@ -154,11 +156,15 @@ __global__ void __launch_bounds__(kBackwardThreads, 1)
   const uint32_t kv_full = base + L::kBarriers;  // full[stage] at kv_full + 8 (1 + stage)
   const uint32_t k_tile = base, v_tile = base + L::kKvBytes;
 
-  // The key block slowest over the grid, from 0: the blocks with the most query blocks to visit
-  // (the first keys of a causal row) start first, the short ones fill the tail (as backward v2).
+  // keys_first: the key block slowest over the grid, from 0: the blocks with the most query blocks
+  // to visit (the first keys of a causal row) start first, the short ones fill the tail (as
+  // backward v2). The rows_* orders: the row slowest, its key blocks from 0 within it, so that a
+  // row's blocks run together and their dQ adds meet in L2 (HopperOrder).
+  const bool keys_first = args.order == HopperOrder::keys_first;
   const int kv_heads_batch = args.kv_heads * args.batch;
-  const int key_block = static_cast<int>(blockIdx.x) / kv_heads_batch;
-  const int head_row = static_cast<int>(blockIdx.x) % kv_heads_batch;
+  const int block_index = static_cast<int>(blockIdx.x);
+  const int key_block = keys_first ? block_index / kv_heads_batch : block_index % args.key_blocks;
+  const int head_row = keys_first ? block_index % kv_heads_batch : block_index / args.key_blocks;
   const int g = head_row % args.kv_heads, b = head_row / args.kv_heads;
   const int k0 = key_block * kBackwardKeys;
   const int seq = args.seq, group = args.kv_group;
@@ -181,10 +187,17 @@ __global__ void __launch_bounds__(kBackwardThreads, 1)
   }
   __syncthreads();
 
-  // Work items: (query head of the group, query block from k0's up to last_query's), query blocks
-  // fastest. Item i uses stage i & 1, whose barrier completes for the (i >> 1)-th time.
-  auto item_head = [&](int item, int q_blocks) { return g * group + item / q_blocks; };
-  auto item_q0 = [&](int item, int q_blocks) { return k0 + item % q_blocks * kBackwardQueries; };
+  // Work items: (query head of the group, query block from k0's up to last_query's). keys_first:
+  // query blocks fastest, rising; the rows_* orders: the group's heads fastest, query blocks rising
+  // or falling (HopperOrder). Item i uses stage i & 1, whose barrier completes for the (i >> 1)-th time.
+  const bool falling = args.order == HopperOrder::rows_falling;
+  auto item_head = [&](int item, int q_blocks) {
+    return g * group + (keys_first ? item / q_blocks : item % group);
+  };
+  auto item_q0 = [&](int item, int q_blocks) {
+    const int rank = keys_first ? item % q_blocks : item / group;
+    return k0 + (falling ? q_blocks - 1 - rank : rank) * kBackwardQueries;
+  };
   // Thread 0: the item's Q and dO into `stage` by TMA (rows past seq are zero-filled).
   auto request = [&](int h, int q0, int stage) {
     const uint32_t q_tile = base + L::kStages + stage * 2 * L::kQBytes, do_tile = q_tile + L::kQBytes;
@@ -216,9 +229,7 @@ __global__ void __launch_bounds__(kBackwardThreads, 1)
       tma_load(k_tile + c * L::kKvChunkBytes, k_map, c * kChunkColumns, g, k0, b, kv_full);
       tma_load(v_tile + c * L::kKvChunkBytes, v_map, c * kChunkColumns, g, k0, b, kv_full);
     }
-    request(g * group, k0, 0);  // item 0: the group's first head, the query block at k0
   }
-  stage_stats(g * group, k0, 0);
 
   // The last query that sees any key of the block: the row's last, or on packed rows the last
   // whose id is one of the keys' (segment_reach). The query blocks past its block are wholly
@@ -236,6 +247,9 @@ __global__ void __launch_bounds__(kBackwardThreads, 1)
   }
   const int q_blocks = (last_query - k0) / kBackwardQueries + 1;
   const int items = group * q_blocks;
+  // Item 0 (its query block depends on q_blocks in the falling order).
+  if (thread == 0) request(item_head(0, q_blocks), item_q0(0, q_blocks), 0);
+  stage_stats(item_head(0, q_blocks), item_q0(0, q_blocks), 0);
   cp_async_wait_all();
   __syncthreads();  // stage 0's lse / D / ids are visible
 
@@ -467,6 +481,14 @@ __global__ void __launch_bounds__(kBackwardThreads, 1)
           if (query_b < seq) reduce_add_pair(dq_b + nt * 8, acc[4 * nt + 2], acc[4 * nt + 3]);
         }
       }
+    } else if constexpr (kDq == kDqBulk) {
+      // A warpgroup with no dQ this item (head_dim 64, its keys unseen) still passes its two named
+      // barriers, so that both warpgroups meet the same barriers in the same order each item.
+      // Nothing waits on it (bar.sync 1 + w counts only warpgroup w's threads), but
+      // compute-sanitizer's racecheck reported hazards between the stats' cp.async writes and their
+      // reads (head_dim 64, packed rows, H100, 2026-12-07) where only this warpgroup skipped them.
+      asm volatile("bar.sync %0, 128;\n" ::"r"(1 + warpgroup) : "memory");
+      asm volatile("bar.sync %0, 128;\n" ::"r"(1 + warpgroup) : "memory");
     }
   }
 
@@ -501,7 +523,7 @@ __global__ void __launch_bounds__(kBackwardThreads, 1)
 // ================================ host side =====================================================
 
 template <int D, bool kBf16, int kDq>
-bool launch_backward(const AttentionParams& p, const FlashTensors& t, cudaStream_t stream) {
+bool launch_backward(const AttentionParams& p, const FlashTensors& t, HopperOrder order, cudaStream_t stream) {
   constexpr int bytes = BackwardLayout<D, kDq == kDqBulk>::kSharedBytes;
   if (flash_max_shared_per_block() < bytes) return false;
   CUtensorMap q_map, k_map, v_map, do_map, dq_map{};
@@ -526,8 +548,9 @@ bool launch_backward(const AttentionParams& p, const FlashTensors& t, cudaStream
   args.dk = t.dk;
   args.dv = t.dv;
   args.segments = p.segments;
-  const unsigned blocks =
-      static_cast<unsigned>((p.seq + kBackwardKeys - 1) / kBackwardKeys * p.n_kv_heads * p.batch);
+  args.key_blocks = static_cast<int>((p.seq + kBackwardKeys - 1) / kBackwardKeys);
+  args.order = order;
+  const unsigned blocks = static_cast<unsigned>(args.key_blocks * p.n_kv_heads * p.batch);
   auto launch = [&](auto kernel) {
     allow_shared(kernel, bytes);
     kernel<<<blocks, kBackwardThreads, bytes, stream>>>(q_map, k_map, v_map, do_map, dq_map, args);
@@ -559,13 +582,17 @@ bool flash_backward_hopper_serves(const AttentionParams& p, const FlashTensors& 
 
 bool launch_flash_backward_hopper(const AttentionParams& p, const FlashTensors& t, cudaStream_t stream) {
   if (!flash_backward_hopper_serves(p, t)) return false;
-  const HopperDq dq = flash_versions().backward_hopper_dq;
+  const FlashVersions versions = flash_versions();
+  const HopperDq dq = versions.backward_hopper_dq;
+  const HopperOrder order = versions.backward_hopper_order;
   auto launch = [&](auto dq_mode) {
     constexpr int kDq = decltype(dq_mode)::value;
     const bool bf16 = t.q_type == DType::bf16;
     if (p.head_dim == 64)
-      return bf16 ? launch_backward<64, true, kDq>(p, t, stream) : launch_backward<64, false, kDq>(p, t, stream);
-    return bf16 ? launch_backward<128, true, kDq>(p, t, stream) : launch_backward<128, false, kDq>(p, t, stream);
+      return bf16 ? launch_backward<64, true, kDq>(p, t, order, stream)
+                  : launch_backward<64, false, kDq>(p, t, order, stream);
+    return bf16 ? launch_backward<128, true, kDq>(p, t, order, stream)
+                : launch_backward<128, false, kDq>(p, t, order, stream);
   };
   if (dq == HopperDq::quads) return launch(std::integral_constant<int, kDqQuads>{});
   if (dq == HopperDq::bulk) return launch(std::integral_constant<int, kDqBulk>{});
