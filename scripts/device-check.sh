@@ -13,7 +13,8 @@
 #       ncu-attn   Nsight Compute (--set full, --clock-control none) on one launch of the Hopper
 #                  backward's main pass and one of cuDNN's backward kernels a shape of NCU_SHAPES
 #                  (default "b8_s2048_d128 b2_s8192_d128"), picked by the NVTX ranges of
-#                  CudaHopperBackwardTest.TimingPrintHopperBackward; NCU_TIMEOUT (240 s) a run
+#                  CudaHopperBackwardTest.TimingPrintHopperBackward; NCU_VARIANTS: the main pass's other
+#                  variants too (e.g. "bulk_keys bulk_falling"); NCU_TIMEOUT (240 s) a run
 #       ladder     the memory ladder, Llama-3.1-8B architecture (random weights), b2 x 2048
 #       ladder-offload  the same ladder with --offload_activations (the checkpointing rungs keep
 #                  their checkpointed layer inputs in pinned host memory), into ladder-offload/
@@ -429,10 +430,15 @@ fi
 # "No kernels were profiled" in a log means the range or the kernel name did not match.
 if has_part ncu-attn; then
   stamp ncu-attn
+  # NCU_VARIANTS: the Hopper main pass's variants besides the default, by the timing test's NVTX
+  # range suffixes (e.g. "bulk_keys bulk_rising bulk_falling"; quads_keys too).
   for shape in ${NCU_SHAPES:-b8_s2048_d128 b2_s8192_d128}; do
-    for which in "hopper|regex:flash_backward_hopper" "cudnn|regex:(sdpa|fmha|bprop|dgrad)"; do
+    whiches="hopper|regex:flash_backward_hopper cudnn|regex:(sdpa|fmha|bprop|dgrad)"
+    for variant in ${NCU_VARIANTS:-}; do whiches="$whiches hopper_$variant|regex:flash_backward_hopper"; done
+    for which in $whiches; do
       name=${which%%|*}; kernels=${which#*|}
-      timeout "${NCU_TIMEOUT:-240}" ncu --clock-control none --set full --nvtx --nvtx-include "hopper_bwd_$shape/" \
+      range=hopper_bwd_$shape; [ "${name#hopper_}" != "$name" ] && range=${range}_${name#hopper_}
+      timeout "${NCU_TIMEOUT:-240}" ncu --clock-control none --set full --nvtx --nvtx-include "$range/" \
         -k "$kernels" --launch-count 1 "$BIN_DIR/memtune_gpu_tests" \
         --gtest_filter=CudaHopperBackwardTest.TimingPrintHopperBackward > "$WORK/ncu-$name-$shape.txt" 2>&1
       rc=$?

@@ -32,7 +32,8 @@
 #         reduce-adds): its GPU tests, each in training steps (as m), compute-sanitizer on its
 #         packed-row test, Nsight Compute (ncu-attn)
 #     o   issue 23: the Hopper backward's block and item orders (keys, rising, falling) with dQ by
-#         bulk reduce-adds: its GPU tests, each order in training steps, racecheck on its packed rows
+#         bulk reduce-adds: its GPU tests, each order in training steps, racecheck on its packed rows,
+#         Nsight Compute on each order's main pass and cuDNN's backward
 #     ab  a kernel change's call: the whole GPU test suite (TEST_FILTER, default all) and compute-sanitizer
 #         (AB_PARTS, default tests,sanitizer), then memtune's
 #         configurations 1 and 3 (AB_CONFIGS) with BIN_DIR and with BASE_BIN_DIR (required)
@@ -204,6 +205,8 @@ case "$CALL" in
       check "$BIN_DIR" attn-step
     SANITIZER_TOOLS=racecheck SANITIZER_TIMEOUT=${SANITIZER_TIMEOUT:-150} \
       SANITIZER_FILTER=${SANITIZER_FILTER:-'CudaHopperBackwardTest.PackedRowsMatchCpu'} check "$BIN_DIR" sanitizer-tests
+    # Nsight Compute on each order's main pass (L2 hit rate, DRAM throughput) beside cuDNN's.
+    NCU_VARIANTS=${NCU_VARIANTS:-'bulk_keys bulk_rising bulk_falling'} NCU_TIMEOUT=${NCU_TIMEOUT:-60} check "$BIN_DIR" ncu-attn
     ;;
   ab)
     : "${BASE_BIN_DIR:?device-peers ab: set BASE_BIN_DIR to the binaries to compare against}"

@@ -70,6 +70,24 @@ struct Gradients {
   std::vector<float> dq, dk, dv;
 };
 
+// An NVTX push/pop range for the scope's lifetime.
+class NvtxScope {
+ public:
+  explicit NvtxScope(const std::string& name) { nvtxRangePushA(name.c_str()); }
+  ~NvtxScope() { nvtxRangePop(); }
+  NvtxScope(const NvtxScope&) = delete;
+  NvtxScope& operator=(const NvtxScope&) = delete;
+};
+
+// A variant's short name in NVTX ranges: "bulk_falling".
+std::string variant_range_name(cuda::HopperDq dq, cuda::HopperOrder order) {
+  const char* way = dq == cuda::HopperDq::quads ? "quads" : dq == cuda::HopperDq::bulk ? "bulk" : "pairs";
+  const char* sequence = order == cuda::HopperOrder::rows_rising    ? "rising"
+                         : order == cuda::HopperOrder::rows_falling ? "falling"
+                                                                    : "keys";
+  return std::string(way) + "_" + sequence;
+}
+
 class CudaHopperBackwardTest : public CudaTest {
  protected:
   void SetUp() override {
@@ -361,14 +379,12 @@ TEST_F(CudaHopperBackwardTest, RefusesWhatItDoesNotServe) {
 TEST_F(CudaHopperBackwardTest, TimingPrintHopperBackward) {
   for (const Config c : {Config{8, 2048, 32, 8, 128}, Config{2, 8192, 32, 8, 128}, Config{1, 32768, 32, 8, 128},
                          Config{8, 2048, 32, 8, 64}}) {
-    // An NVTX range a shape, for Nsight Compute to pick its kernels by (device-check's ncu-attn:
-    // --nvtx --nvtx-include "hopper_bwd_b2_s8192_d128/"); a no-op without a tool attached.
+    // NVTX ranges for Nsight Compute to pick kernels by (device-check's ncu-attn: --nvtx
+    // --nvtx-include "hopper_bwd_b2_s8192_d128/"); no-ops without a tool attached. Flat, not nested:
+    // "hopper_bwd_<shape>" around the default backward's and cuDNN's timings, and
+    // "hopper_bwd_<shape>_<dq way>_<order>" around each other variant's.
     const std::string range = "hopper_bwd_b" + std::to_string(c.batch) + "_s" + std::to_string(c.seq) + "_d" +
                               std::to_string(c.head_dim);
-    nvtxRangePushA(range.c_str());
-    struct PopRange {
-      ~PopRange() { nvtxRangePop(); }
-    } pop_range;
     const AttentionDims dims = test::attention_dims_of(c);
     const int64_t n = c.batch * c.seq;
     const Shape q_shape{n, c.heads * c.head_dim}, kv_shape{n, c.kv_heads * c.head_dim}, rows{c.batch * c.heads * c.seq};
@@ -393,6 +409,7 @@ TEST_F(CudaHopperBackwardTest, TimingPrintHopperBackward) {
     auto time_ms = [](const std::function<void()>& run) { return median_event_ms(run, 3); };
     double hopper = 0.0, v2 = 0.0, main_pass = 0.0;
     {
+      const NvtxScope nvtx(range);
       const FlashVersionsScope on(versions_with_hopper_backward(true));
       hopper = time_ms([&] {
         gpu().attention_flash_backward(dq, dk, dv, delta, dq_accum, d_out, out, lse, q, k, v, none, dims);
@@ -403,6 +420,7 @@ TEST_F(CudaHopperBackwardTest, TimingPrintHopperBackward) {
     }
     double main_pass_quads = 0.0, hopper_quads = 0.0, main_pass_bulk = 0.0, hopper_bulk = 0.0;
     for (const cuda::HopperDq mode : {cuda::HopperDq::quads, cuda::HopperDq::bulk}) {
+      const NvtxScope nvtx(range + "_" + variant_range_name(mode, cuda::HopperOrder::keys_first));
       const FlashVersionsScope other(versions_with_hopper_backward(true, mode));
       const double main = time_ms([&] { cuda::launch_flash_backward_hopper(params_of(c), t, nullptr); });
       const double whole = time_ms([&] {
@@ -414,6 +432,7 @@ TEST_F(CudaHopperBackwardTest, TimingPrintHopperBackward) {
     // The other orders with dQ by bulk reduce-adds.
     double main_pass_order[2] = {0.0, 0.0}, hopper_order[2] = {0.0, 0.0};
     for (int i = 0; i < 2; ++i) {
+      const NvtxScope nvtx(range + "_" + variant_range_name(cuda::HopperDq::bulk, kRowOrders[i]));
       const FlashVersionsScope other(versions_with_hopper_backward(true, cuda::HopperDq::bulk, kRowOrders[i]));
       main_pass_order[i] = time_ms([&] { cuda::launch_flash_backward_hopper(params_of(c), t, nullptr); });
       hopper_order[i] = time_ms([&] {
@@ -434,6 +453,7 @@ TEST_F(CudaHopperBackwardTest, TimingPrintHopperBackward) {
     }
     double cudnn = 0.0;
     if (cudnn_attention_available()) {
+      const NvtxScope nvtx(range);
       DeviceTensor workspace(gpu(), DType::f32, Shape{std::max<int64_t>(1, cudnn_attention_workspace_floats(dims, true))});
       DeviceTensor cudnn_dq(gpu(), DType::bf16, q_shape), cudnn_dk(gpu(), DType::bf16, kv_shape);
       DeviceTensor cudnn_dv(gpu(), DType::bf16, kv_shape), cudnn_delta(gpu(), DType::f32, rows);
