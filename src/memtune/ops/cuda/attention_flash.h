@@ -23,6 +23,8 @@ enum class HopperDq { pairs, quads, bulk };
 //                block by query block with the group's heads fastest, rising from the diagonal;
 //  rows_falling  as rows_rising, query blocks falling from the row's last: a row's blocks that
 //                start together add into the same query tile at once.
+// The rows_* orders are built with dQ by bulk reduce-adds only: they run it whatever
+// backward_hopper_dq says.
 enum class HopperOrder { keys_first, rows_rising, rows_falling };
 
 struct FlashVersions {

@@ -141,8 +141,10 @@ __device__ __forceinline__ void dq_product(float (&acc)[kChunkColumns / 2], uint
 
 // __launch_bounds__(256, 1): one block an SM, so ptxas may give each thread up to 255 registers
 // (at head_dim 128 the dK and dV accumulators alone take 128). kSegments: packed rows
-// (args.segments): a query sees a key only where their ids are equal.
-template <int D, bool kBf16, bool kSegments, int kDq>
+// (args.segments): a query sees a key only where their ids are equal. kRows: one of the rows_*
+// orders (args.order; HopperOrder), else keys_first; a template argument so that the keys_first
+// kernels carry none of the other orders' arithmetic (registers).
+template <int D, bool kBf16, bool kSegments, int kDq, bool kRows>
 __global__ void __launch_bounds__(kBackwardThreads, 1)
     flash_backward_hopper(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
                           const __grid_constant__ CUtensorMap v_map, const __grid_constant__ CUtensorMap do_map,
@@ -160,11 +162,10 @@ __global__ void __launch_bounds__(kBackwardThreads, 1)
   // to visit (the first keys of a causal row) start first, the short ones fill the tail (as
   // backward v2). The rows_* orders: the row slowest, its key blocks from 0 within it, so that a
   // row's blocks run together and their dQ adds meet in L2 (HopperOrder).
-  const bool keys_first = args.order == HopperOrder::keys_first;
   const int kv_heads_batch = args.kv_heads * args.batch;
   const int block_index = static_cast<int>(blockIdx.x);
-  const int key_block = keys_first ? block_index / kv_heads_batch : block_index % args.key_blocks;
-  const int head_row = keys_first ? block_index % kv_heads_batch : block_index / args.key_blocks;
+  const int key_block = kRows ? block_index % args.key_blocks : block_index / kv_heads_batch;
+  const int head_row = kRows ? block_index / args.key_blocks : block_index % kv_heads_batch;
   const int g = head_row % args.kv_heads, b = head_row / args.kv_heads;
   const int k0 = key_block * kBackwardKeys;
   const int seq = args.seq, group = args.kv_group;
@@ -190,13 +191,13 @@ __global__ void __launch_bounds__(kBackwardThreads, 1)
   // Work items: (query head of the group, query block from k0's up to last_query's). keys_first:
   // query blocks fastest, rising; the rows_* orders: the group's heads fastest, query blocks rising
   // or falling (HopperOrder). Item i uses stage i & 1, whose barrier completes for the (i >> 1)-th time.
-  const bool falling = args.order == HopperOrder::rows_falling;
-  auto item_head = [&](int item, int q_blocks) {
-    return g * group + (keys_first ? item / q_blocks : item % group);
-  };
+  auto item_head = [&](int item, int q_blocks) { return g * group + (kRows ? item % group : item / q_blocks); };
   auto item_q0 = [&](int item, int q_blocks) {
-    const int rank = keys_first ? item % q_blocks : item / group;
-    return k0 + (falling ? q_blocks - 1 - rank : rank) * kBackwardQueries;
+    if constexpr (kRows) {
+      const int rank = item / group;
+      return k0 + (args.order == HopperOrder::rows_falling ? q_blocks - 1 - rank : rank) * kBackwardQueries;
+    }
+    return k0 + item % q_blocks * kBackwardQueries;
   };
   // Thread 0: the item's Q and dO into `stage` by TMA (rows past seq are zero-filled).
   auto request = [&](int h, int q0, int stage) {
@@ -229,7 +230,11 @@ __global__ void __launch_bounds__(kBackwardThreads, 1)
       tma_load(k_tile + c * L::kKvChunkBytes, k_map, c * kChunkColumns, g, k0, b, kv_full);
       tma_load(v_tile + c * L::kKvChunkBytes, v_map, c * kChunkColumns, g, k0, b, kv_full);
     }
+    // keys_first's item 0 (the group's first head, the query block at k0) is known now: request it
+    // before segment_reach below.
+    if constexpr (!kRows) request(g * group, k0, 0);
   }
+  if constexpr (!kRows) stage_stats(g * group, k0, 0);
 
   // The last query that sees any key of the block: the row's last, or on packed rows the last
   // whose id is one of the keys' (segment_reach). The query blocks past its block are wholly
@@ -247,9 +252,10 @@ __global__ void __launch_bounds__(kBackwardThreads, 1)
   }
   const int q_blocks = (last_query - k0) / kBackwardQueries + 1;
   const int items = group * q_blocks;
-  // Item 0 (its query block depends on q_blocks in the falling order).
-  if (thread == 0) request(item_head(0, q_blocks), item_q0(0, q_blocks), 0);
-  stage_stats(item_head(0, q_blocks), item_q0(0, q_blocks), 0);
+  if constexpr (kRows) {  // item 0's query block depends on q_blocks in the falling order
+    if (thread == 0) request(item_head(0, q_blocks), item_q0(0, q_blocks), 0);
+    stage_stats(item_head(0, q_blocks), item_q0(0, q_blocks), 0);
+  }
   cp_async_wait_all();
   __syncthreads();  // stage 0's lse / D / ids are visible
 
@@ -522,7 +528,7 @@ __global__ void __launch_bounds__(kBackwardThreads, 1)
 
 // ================================ host side =====================================================
 
-template <int D, bool kBf16, int kDq>
+template <int D, bool kBf16, int kDq, bool kRows>
 bool launch_backward(const AttentionParams& p, const FlashTensors& t, HopperOrder order, cudaStream_t stream) {
   constexpr int bytes = BackwardLayout<D, kDq == kDqBulk>::kSharedBytes;
   if (flash_max_shared_per_block() < bytes) return false;
@@ -555,8 +561,8 @@ bool launch_backward(const AttentionParams& p, const FlashTensors& t, HopperOrde
     allow_shared(kernel, bytes);
     kernel<<<blocks, kBackwardThreads, bytes, stream>>>(q_map, k_map, v_map, do_map, dq_map, args);
   };
-  if (p.segments != nullptr) launch(flash_backward_hopper<D, kBf16, true, kDq>);
-  else launch(flash_backward_hopper<D, kBf16, false, kDq>);
+  if (p.segments != nullptr) launch(flash_backward_hopper<D, kBf16, true, kDq, kRows>);
+  else launch(flash_backward_hopper<D, kBf16, false, kDq, kRows>);
   MT_CUDA_CHECK_LAUNCH();
   return true;
 }
@@ -577,7 +583,7 @@ bool flash_backward_hopper_serves(const AttentionParams& p, const FlashTensors& 
   // 32-bit coordinates and block arithmetic; one grid dimension.
   const int64_t blocks = (p.seq + kBackwardKeys - 1) / kBackwardKeys * p.n_kv_heads * p.batch;
   if (p.seq > INT_MAX - kBackwardKeys || p.n_heads > INT_MAX || blocks > INT_MAX) return false;
-  return hopper_kernel_runs_here<flash_backward_hopper<128, true, false, kDqPairs>>();
+  return hopper_kernel_runs_here<flash_backward_hopper<128, true, false, kDqPairs, false>>();
 }
 
 bool launch_flash_backward_hopper(const AttentionParams& p, const FlashTensors& t, cudaStream_t stream) {
@@ -585,18 +591,22 @@ bool launch_flash_backward_hopper(const AttentionParams& p, const FlashTensors& 
   const FlashVersions versions = flash_versions();
   const HopperDq dq = versions.backward_hopper_dq;
   const HopperOrder order = versions.backward_hopper_order;
-  auto launch = [&](auto dq_mode) {
+  auto launch = [&](auto dq_mode, auto rows) {
     constexpr int kDq = decltype(dq_mode)::value;
+    constexpr bool kRows = decltype(rows)::value;
     const bool bf16 = t.q_type == DType::bf16;
     if (p.head_dim == 64)
-      return bf16 ? launch_backward<64, true, kDq>(p, t, order, stream)
-                  : launch_backward<64, false, kDq>(p, t, order, stream);
-    return bf16 ? launch_backward<128, true, kDq>(p, t, order, stream)
-                : launch_backward<128, false, kDq>(p, t, order, stream);
+      return bf16 ? launch_backward<64, true, kDq, kRows>(p, t, order, stream)
+                  : launch_backward<64, false, kDq, kRows>(p, t, order, stream);
+    return bf16 ? launch_backward<128, true, kDq, kRows>(p, t, order, stream)
+                : launch_backward<128, false, kDq, kRows>(p, t, order, stream);
   };
-  if (dq == HopperDq::quads) return launch(std::integral_constant<int, kDqQuads>{});
-  if (dq == HopperDq::bulk) return launch(std::integral_constant<int, kDqBulk>{});
-  return launch(std::integral_constant<int, kDqPairs>{});
+  // The rows_* orders are built with the bulk way of adding dQ only (HopperOrder).
+  if (order != HopperOrder::keys_first)
+    return launch(std::integral_constant<int, kDqBulk>{}, std::true_type{});
+  if (dq == HopperDq::quads) return launch(std::integral_constant<int, kDqQuads>{}, std::false_type{});
+  if (dq == HopperDq::bulk) return launch(std::integral_constant<int, kDqBulk>{}, std::false_type{});
+  return launch(std::integral_constant<int, kDqPairs>{}, std::false_type{});
 }
 
 }  // namespace memtune::cuda
