@@ -22,7 +22,8 @@
 #     f   configuration 4 under the large cap, the half that needs a card of more than 80 GiB:
 #         memtune's edge without activation offload (1 step), then Unsloth at that length (1 step)
 #     g   configuration 4 under the large cap for transformers + PEFT and Liger
-#     h   configurations 1-3 for all four tools in one call
+#     h   configurations 1 and 3 for all four tools in one call, and Unsloth's configuration 2
+#     i   configuration 2 for transformers + PEFT and Liger
 #     k   issue 23: the attention GPU tests, compute-sanitizer on the Hopper kernels', PyTorch SDPA
 #     l   configuration 4 under the large cap past memtune's no-offload edge (LONG_SEQ): memtune with
 #         activation offload (L_PART=memtune) or Unsloth's one-step probe (L_PART=unsloth)
@@ -155,11 +156,23 @@ case "$CALL" in
       check "$BIN_DIR" tests,sanitizer-tests,sdpa
     ;;
   h)
-    # Configurations 1-3 for all four tools in one call: memtune's variants, Unsloth (1, 3 and its
-    # benchmark shape 2), transformers + PEFT and Liger on 1 and 3, then both on 2.
+    # Configurations 1 and 3 for all four tools in one call: memtune's variants, Unsloth (1, 3 and its
+    # benchmark shape 2), transformers + PEFT and Liger on 1 and 3. Their configuration 2 is call i:
+    # on an H100 (2026-12-07) Unsloth's part took 345 s (a 57 s build and 44 s of compilation before
+    # its first step), and a 220 s limit cut its QLoRA rung; with the peers' configuration 2 after
+    # it, the call ran past 600 s.
     CONFIGS=${CONFIGS:-$MEMTUNE_CONFIGS} CONFIG_STEPS=6 check "$BIN_DIR" configs
-    UNSLOTH_STEPS=4 UNSLOTH_TIMEOUT=${UNSLOTH_TIMEOUT:-220} check "$BIN_DIR" unsloth,unsloth-data
-    hf_and_liger_configs
+    UNSLOTH_STEPS=4 UNSLOTH_TIMEOUT=${UNSLOTH_TIMEOUT:-300} check "$BIN_DIR" unsloth,unsloth-data
+    LIGER_STEPS=3 LIGER_ARGS="--only flash,qlora" LIGER_TIMEOUT=120 LADDER_STEPS=3 PEER_ARGS="--only flash,qlora" \
+      PEER_TIMEOUT=120 check "$BIN_DIR" liger,peer
+    ;;
+  i)
+    # Configuration 2 (r32, batch 2 x accumulation 4, sft-tasks.jsonl, unpacked) for transformers +
+    # PEFT and Liger: the half of the old call h that followed Unsloth (memtune's configuration 2,
+    # data-merged and data-packed, runs in call h's configs part).
+    c2="--lora-r 32 --lora-alpha 32 --accum 4 --steps 4"
+    PEER_DATA_MEMTUNE=0 PEER_DATA_PACKED=0 DATA_TIMEOUT=100 PEER_ARGS="$c2" check "$BIN_DIR" peer-data
+    PEER_DATA_MEMTUNE=0 PEER_DATA_PACKED=0 DATA_TIMEOUT=100 PEER_ARGS="$c2 --liger" check "$BIN_DIR" peer-data
     ;;
   l)
     # Configuration 4 under the large cap past memtune's no-offload edge: memtune with activation
@@ -217,6 +230,6 @@ case "$CALL" in
       CONFIGS=${AB_CONFIGS:-qlora,lora16} CONFIG_STEPS=6 check "$BASE_BIN_DIR" configs
     done
     ;;
-  *) echo "device-peers: unknown call $CALL (a, b, c, d, e, f, g, h, k, l, m, n, o or ab)" >&2; exit 2 ;;
+  *) echo "device-peers: unknown call $CALL (a, b, c, d, e, f, g, h, i, k, l, m, n, o or ab)" >&2; exit 2 ;;
 esac
 echo "== $(date -u +%T) done" | tee -a "$OUT/dates.txt"
