@@ -14,7 +14,8 @@
 #                  backward's main pass and one of cuDNN's backward kernels a shape of NCU_SHAPES
 #                  (default "b8_s2048_d128 b2_s8192_d128"), picked by the NVTX ranges of
 #                  CudaHopperBackwardTest.TimingPrintHopperBackward; NCU_VARIANTS: the main pass's other
-#                  variants too (e.g. "bulk_keys bulk_falling"); NCU_TIMEOUT (240 s) a run
+#                  variants too (e.g. "bulk_keys bulk_falling"); NCU_BASE="" leaves out the default main
+#                  pass and cuDNN (default "hopper cudnn"); NCU_TIMEOUT (240 s) a run
 #       ladder     the memory ladder, Llama-3.1-8B architecture (random weights), b2 x 2048
 #       ladder-offload  the same ladder with --offload_activations (the checkpointing rungs keep
 #                  their checkpointed layer inputs in pinned host memory), into ladder-offload/
@@ -433,7 +434,13 @@ if has_part ncu-attn; then
   # NCU_VARIANTS: the Hopper main pass's variants besides the default, by the timing test's NVTX
   # range suffixes (e.g. "bulk_keys bulk_rising bulk_falling"; quads_keys too).
   for shape in ${NCU_SHAPES:-b8_s2048_d128 b2_s8192_d128}; do
-    whiches="hopper|regex:flash_backward_hopper cudnn|regex:(sdpa|fmha|bprop|dgrad)"
+    whiches=""
+    for base in ${NCU_BASE-hopper cudnn}; do
+      case $base in
+        hopper) whiches="$whiches hopper|regex:flash_backward_hopper" ;;
+        cudnn) whiches="$whiches cudnn|regex:(sdpa|fmha|bprop|dgrad)" ;;
+      esac
+    done
     for variant in ${NCU_VARIANTS:-}; do whiches="$whiches hopper_$variant|regex:flash_backward_hopper"; done
     for which in $whiches; do
       name=${which%%|*}; kernels=${which#*|}

@@ -218,8 +218,10 @@ case "$CALL" in
       check "$BIN_DIR" attn-step
     SANITIZER_TOOLS=racecheck SANITIZER_TIMEOUT=${SANITIZER_TIMEOUT:-150} \
       SANITIZER_FILTER=${SANITIZER_FILTER:-'CudaHopperBackwardTest.PackedRowsMatchCpu'} check "$BIN_DIR" sanitizer-tests
-    # Nsight Compute on each order's main pass (L2 hit rate, DRAM throughput) beside cuDNN's.
-    NCU_VARIANTS=${NCU_VARIANTS:-'bulk_keys bulk_rising bulk_falling'} NCU_TIMEOUT=${NCU_TIMEOUT:-60} check "$BIN_DIR" ncu-attn
+    # Nsight Compute on each order's main pass (L2 hit rate, DRAM throughput; the default main pass's
+    # and cuDNN's are in bench/results/2026-12-07-h100-session5 call2-n; NCU_BASE="hopper cudnn" adds them).
+    NCU_BASE=${NCU_BASE-} NCU_VARIANTS=${NCU_VARIANTS:-'bulk_keys bulk_rising bulk_falling'} \
+      NCU_TIMEOUT=${NCU_TIMEOUT:-60} check "$BIN_DIR" ncu-attn
     ;;
   ab)
     : "${BASE_BIN_DIR:?device-peers ab: set BASE_BIN_DIR to the binaries to compare against}"
