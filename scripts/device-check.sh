@@ -453,7 +453,7 @@ if has_part ncu-attn; then
       grep -m1 -E '^  [A-Za-z_].*\(.*\)x\(' "$WORK/ncu-$name-$shape.txt" | cut -c1-160
       # The first of each (Speed Of Light, memory, scheduler and warp-state sections of --set full).
       for metric in 'Duration' 'Compute \(SM\) Throughput' 'Memory Throughput' 'L1/TEX Cache Throughput' \
-                    'L2 Cache Throughput' 'DRAM Throughput' 'Issue Slots Busy' 'No Eligible' \
+                    'L2 Cache Throughput' 'DRAM Throughput' 'L2 Hit Rate' 'Mem Busy' 'Issue Slots Busy' 'No Eligible' \
                     'Warp Cycles Per Issued Instruction' 'Registers Per Thread' 'Achieved Occupancy'; do
         grep -m1 -E "^ +$metric " "$WORK/ncu-$name-$shape.txt" | tr -s ' '
       done
