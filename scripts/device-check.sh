@@ -432,7 +432,7 @@ fi
 if has_part ncu-attn; then
   stamp ncu-attn
   # NCU_VARIANTS: the Hopper main pass's variants besides the default, by the timing test's NVTX
-  # range suffixes (e.g. "bulk_keys bulk_rising bulk_falling"; quads_keys too).
+  # range suffixes (e.g. "bulk_keys bulk_rising bulk_falling").
   for shape in ${NCU_SHAPES:-b8_s2048_d128 b2_s8192_d128}; do
     whiches=""
     for base in ${NCU_BASE-hopper cudnn}; do

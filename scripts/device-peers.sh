@@ -29,7 +29,7 @@
 #         activation offload (L_PART=memtune) or Unsloth's one-step probe (L_PART=unsloth)
 #     m   issue 23: the own flash kernel's backward versions (v2, hopper) in training steps (configuration 1
 #         and 1 x 32768, alternately), cuDNN at 32768 beside them, after the Hopper backward's GPU tests
-#     n   issue 23: the Hopper backward's ways of adding dQ (2- and 4-float reductions, bulk
+#     n   issue 23: the Hopper backward's ways of adding dQ (2-float reductions, bulk
 #         reduce-adds): its GPU tests, each in training steps (as m), compute-sanitizer on its
 #         packed-row test, Nsight Compute (ncu-attn)
 #     o   issue 23: the Hopper backward's block and item orders (keys, rising, falling) with dQ by
@@ -193,8 +193,8 @@ case "$CALL" in
       check "$BIN_DIR" tests,attn-step
     ;;
   n)
-    # Issue 23: the Hopper backward's ways of adding dQ (MEMTUNE_FLASH_BACKWARD=hopper, hopper-dq4:
-    # 4-float reductions, hopper-dqtma: bulk reduce-adds): its GPU tests (each way against the CPU,
+    # Issue 23: the Hopper backward's ways of adding dQ (MEMTUNE_FLASH_BACKWARD=hopper, hopper-dqtma:
+    # bulk reduce-adds; a 4-float way measured here was removed): its GPU tests (each way against the CPU,
     # v2 and the others; the timing print with each), each in training steps (configuration 1 twice,
     # 1 x 32768, cuDNN beside), compute-sanitizer on the packed-row test (each way), then Nsight
     # Compute on the main pass and cuDNN's backward.
@@ -202,7 +202,7 @@ case "$CALL" in
     # tensor maps, the cuDNN sequence-table upload on packed rows, the attention pick's probe.
     GTEST_FILTER=${TEST_FILTER:-'CudaHopperBackwardTest.*:CudaHopperAttentionTest.*:CudnnRaggedTest.*:CudaAttentionPickTest.*'} \
       TEST_TIMEOUT=${TEST_TIMEOUT:-200} check "$BIN_DIR" tests
-    ATTN_STEP_BACKWARDS=${ATTN_STEP_BACKWARDS:-'hopper hopper-dq4 hopper-dqtma'} check "$BIN_DIR" attn-step
+    ATTN_STEP_BACKWARDS=${ATTN_STEP_BACKWARDS:-'hopper hopper-dqtma'} check "$BIN_DIR" attn-step
     SANITIZER_TIMEOUT=${SANITIZER_TIMEOUT:-120} SANITIZER_FILTER=${SANITIZER_FILTER:-'CudaHopperBackwardTest.PackedRowsMatchCpu'} \
       check "$BIN_DIR" sanitizer-tests
     check "$BIN_DIR" ncu-attn

@@ -59,11 +59,9 @@ const char* order_name(cuda::HopperOrder order) {
 }
 
 // The Hopper backward's two ways of adding dQ, and their names in messages.
-constexpr cuda::HopperDq kDqModes[] = {cuda::HopperDq::pairs, cuda::HopperDq::quads, cuda::HopperDq::bulk};
+constexpr cuda::HopperDq kDqModes[] = {cuda::HopperDq::pairs, cuda::HopperDq::bulk};
 const char* dq_mode_name(cuda::HopperDq dq) {
-  return dq == cuda::HopperDq::quads  ? "dQ by 4-float reductions"
-         : dq == cuda::HopperDq::bulk ? "dQ by bulk reduce-adds"
-                                      : "dQ by 2-float reductions";
+  return dq == cuda::HopperDq::bulk ? "dQ by bulk reduce-adds" : "dQ by 2-float reductions";
 }
 
 struct Gradients {
@@ -81,7 +79,7 @@ class NvtxScope {
 
 // A variant's short name in NVTX ranges: "bulk_falling".
 std::string variant_range_name(cuda::HopperDq dq, cuda::HopperOrder order) {
-  const char* way = dq == cuda::HopperDq::quads ? "quads" : dq == cuda::HopperDq::bulk ? "bulk" : "pairs";
+  const char* way = dq == cuda::HopperDq::bulk ? "bulk" : "pairs";
   const char* sequence = order == cuda::HopperOrder::rows_rising    ? "rising"
                          : order == cuda::HopperOrder::rows_falling ? "falling"
                                                                     : "keys";
@@ -228,11 +226,12 @@ TEST_F(CudaHopperBackwardTest, BackendBackwardMatchesV2AtOddShapes) {
                 << "direct dQ accumulator, rounded to " << dtype_name(type) << ", vs the backend's dq";
             EXPECT_TRUE(finite);
 
-            // dQ added the other ways: dk and dv are not touched by it (bit for bit); dq (sums in
+            // dQ added by bulk reduce-adds: dk and dv are not touched by it (bit for bit); dq (sums in
             // another order) within the tolerance of the 2-float reductions'.
-            for (const cuda::HopperDq dq : {cuda::HopperDq::quads, cuda::HopperDq::bulk}) {
-              SCOPED_TRACE(dq_mode_name(dq));
-              const Gradients other = backend_backward(true, type, c, d_out, out, lse, q, k, v, none, dq);
+            {
+              SCOPED_TRACE(dq_mode_name(cuda::HopperDq::bulk));
+              const Gradients other =
+                  backend_backward(true, type, c, d_out, out, lse, q, k, v, none, cuda::HopperDq::bulk);
               EXPECT_TRUE(other.dk == hopper.dk) << "dk differs";
               EXPECT_TRUE(other.dv == hopper.dv) << "dv differs";
               finite = false;
@@ -408,16 +407,14 @@ TEST_F(CudaHopperBackwardTest, TimingPrintHopperBackward) {
       // here and below with dQ added each way.
       main_pass = time_ms([&] { cuda::launch_flash_backward_hopper(params_of(c), t, nullptr); });
     }
-    double main_pass_quads = 0.0, hopper_quads = 0.0, main_pass_bulk = 0.0, hopper_bulk = 0.0;
-    for (const cuda::HopperDq mode : {cuda::HopperDq::quads, cuda::HopperDq::bulk}) {
-      const NvtxScope nvtx(range + "_" + variant_range_name(mode, cuda::HopperOrder::keys_first));
-      const FlashVersionsScope other(versions_with_hopper_backward(true, mode));
-      const double main = time_ms([&] { cuda::launch_flash_backward_hopper(params_of(c), t, nullptr); });
-      const double whole = time_ms([&] {
+    double main_pass_bulk = 0.0, hopper_bulk = 0.0;
+    {
+      const NvtxScope nvtx(range + "_" + variant_range_name(cuda::HopperDq::bulk, cuda::HopperOrder::keys_first));
+      const FlashVersionsScope other(versions_with_hopper_backward(true, cuda::HopperDq::bulk));
+      main_pass_bulk = time_ms([&] { cuda::launch_flash_backward_hopper(params_of(c), t, nullptr); });
+      hopper_bulk = time_ms([&] {
         gpu().attention_flash_backward(dq, dk, dv, delta, dq_accum, d_out, out, lse, q, k, v, none, dims);
       });
-      (mode == cuda::HopperDq::quads ? main_pass_quads : main_pass_bulk) = main;
-      (mode == cuda::HopperDq::quads ? hopper_quads : hopper_bulk) = whole;
     }
     // The other orders with dQ by bulk reduce-adds.
     double main_pass_order[2] = {0.0, 0.0}, hopper_order[2] = {0.0, 0.0};
@@ -458,8 +455,6 @@ TEST_F(CudaHopperBackwardTest, TimingPrintHopperBackward) {
     std::printf("TIMING attention backward %s causal (median of 7):\n", label(c, DType::bf16).c_str());
     std::printf("  hopper (wgmma+TMA)    %8.3f ms %7.1f TFLOP/s\n", hopper, tflops(hopper));
     std::printf("  hopper main pass only %8.3f ms %7.1f TFLOP/s\n", main_pass, tflops(main_pass));
-    std::printf("  hopper, dQ by float4  %8.3f ms %7.1f TFLOP/s (main pass only %.3f ms, %.1f TFLOP/s)\n",
-                hopper_quads, tflops(hopper_quads), main_pass_quads, tflops(main_pass_quads));
     std::printf("  hopper, dQ by TMA     %8.3f ms %7.1f TFLOP/s (main pass only %.3f ms, %.1f TFLOP/s)\n",
                 hopper_bulk, tflops(hopper_bulk), main_pass_bulk, tflops(main_pass_bulk));
     for (int i = 0; i < 2; ++i)
@@ -506,12 +501,6 @@ TEST(FlashVersionsEnvironment, BackwardValuesSetTheVersionsAndAnUnknownOneAborts
       ::testing::ExitedWithCode(0), "");
   EXPECT_EXIT(
       {
-        ::setenv("MEMTUNE_FLASH_BACKWARD", "hopper-dq4", 1);
-        std::exit(exit_code(true, cuda::HopperDq::quads));
-      },
-      ::testing::ExitedWithCode(0), "");
-  EXPECT_EXIT(
-      {
         ::setenv("MEMTUNE_FLASH_BACKWARD", "hopper-dqtma", 1);
         std::exit(exit_code(true, cuda::HopperDq::bulk));
       },
@@ -521,7 +510,7 @@ TEST(FlashVersionsEnvironment, BackwardValuesSetTheVersionsAndAnUnknownOneAborts
         ::setenv("MEMTUNE_FLASH_BACKWARD", "hopper-fast", 1);
         (void)cuda::flash_versions();
       },
-      "MEMTUNE_FLASH_BACKWARD takes v2, hopper, hopper-dq4 or hopper-dqtma");
+      "MEMTUNE_FLASH_BACKWARD takes v2, hopper or hopper-dqtma");
 }
 
 // MEMTUNE_FLASH_BACKWARD_ORDER, likewise: keys (or unset), rising, falling; anything else aborts.

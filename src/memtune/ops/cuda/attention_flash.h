@@ -9,10 +9,12 @@ namespace memtune::cuda {
 // How the Hopper backward adds each query block's dQ into the fp32 accumulator:
 //  pairs  red.global.add.v2.f32 from every thread's accumulator pairs (32 a thread an item at
 //         head_dim 128);
-//  quads  red.global.add.v4.f32 after a lane-pair exchange: half as many reductions;
 //  bulk   the warpgroup's 64 x 64 tile through shared memory, added by the copy engine
-//         (cp.reduce.async.bulk.tensor), two 128-byte-wide boxes an item.
-enum class HopperDq { pairs, quads, bulk };
+//         (cp.reduce.async.bulk.tensor), two 128-byte-wide boxes an item: 1.11-1.37x pairs' backward
+//         alone on an H100 (bench/results/2026-12-07-h100-session5).
+// A third way, red.global.add.v4.f32 after a lane-pair exchange (half as many reductions), measured
+// 0.94-1.02x pairs there and was removed.
+enum class HopperDq { pairs, bulk };
 
 // The order in which the Hopper backward's blocks and their items run. dQ's fp32 adds hit L2 only
 // where a query tile's adds from the key blocks that see it come close together in time:
@@ -37,9 +39,9 @@ struct FlashVersions {
                                         // 1.06-1.68x backward v2 on an H100 (bench/NOTES.md).
                                         // MEMTUNE_FLASH_BACKWARD=v2 sets the start value false
   HopperDq backward_hopper_dq = HopperDq::pairs;  // how the Hopper backward adds dQ into its
-                                                   // fp32 accumulator (HopperDq); not yet measured
-                                                   // beyond pairs. MEMTUNE_FLASH_BACKWARD=hopper-dq4
-                                                   // or hopper-dqtma sets the start value
+                                                   // fp32 accumulator (HopperDq); bulk is faster
+                                                   // but waits for racecheck on head_dim 64 (NOTES).
+                                                   // MEMTUNE_FLASH_BACKWARD=hopper-dqtma sets it
   HopperOrder backward_hopper_order = HopperOrder::keys_first;  // the Hopper backward's block and
                                                                // item order (HopperOrder);
                                                                // MEMTUNE_FLASH_BACKWARD_ORDER=keys,

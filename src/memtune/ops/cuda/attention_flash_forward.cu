@@ -576,8 +576,8 @@ std::atomic<bool>& forward_hopper_flag() {
 }
 
 // MEMTUNE_FLASH_BACKWARD, read once: unset or "hopper" (the Hopper backward, dQ by 2-float
-// reductions), "hopper-dq4" (4-float reductions), "hopper-dqtma" (bulk reduce-adds of shared-memory
-// tiles) or "v2" (backward v2). Any other value aborts, as for MEMTUNE_FLASH_FORWARD.
+// reductions), "hopper-dqtma" (bulk reduce-adds of shared-memory tiles) or "v2" (backward v2). Any
+// other value aborts, as for MEMTUNE_FLASH_FORWARD.
 struct BackwardChoice {
   bool hopper = true;
   HopperDq dq = HopperDq::pairs;
@@ -586,11 +586,10 @@ const BackwardChoice& backward_environment() {
   static const BackwardChoice choice = [] {
     const char* v = std::getenv("MEMTUNE_FLASH_BACKWARD");
     if (v == nullptr || std::strcmp(v, "hopper") == 0) return BackwardChoice{};
-    if (std::strcmp(v, "hopper-dq4") == 0) return BackwardChoice{true, HopperDq::quads};
     if (std::strcmp(v, "hopper-dqtma") == 0) return BackwardChoice{true, HopperDq::bulk};
     if (std::strcmp(v, "v2") == 0) return BackwardChoice{false, HopperDq::pairs};
     cuda_check_failed("getenv(\"MEMTUNE_FLASH_BACKWARD\")", "environment",
-                      "MEMTUNE_FLASH_BACKWARD takes v2, hopper, hopper-dq4 or hopper-dqtma", __FILE__, __LINE__);
+                      "MEMTUNE_FLASH_BACKWARD takes v2, hopper or hopper-dqtma", __FILE__, __LINE__);
   }();
   return choice;
 }

@@ -29,14 +29,16 @@
 //    publishes this block's dS^T (and the next stage's lse/D) and tells thread 0 that the other
 //    stage is free.
 //  - How dQ is added (kDq; FlashVersions::backward_hopper_dq, HopperDq in attention_flash.h):
-//    2-float red.add from each thread's accumulator pairs; 4-float ones after a lane-pair exchange
-//    (half as many); or the warpgroup's 64 x 64 f32 tile written to shared memory (128-byte
-//    swizzle, two 32-column boxes) and added by the copy engine (cp.reduce.async.bulk.tensor),
-//    issued by one thread of the warpgroup, whose next item waits only for the copy's reads.
+//    2-float red.add from each thread's accumulator pairs, or the warpgroup's 64 x 64 f32 tile
+//    written to shared memory (128-byte swizzle, two 32-column boxes) and added by the copy engine
+//    (cp.reduce.async.bulk.tensor), issued by one thread of the warpgroup, whose next item waits
+//    only for the copy's reads.
+//  - The order of blocks and items (kRows; HopperOrder in attention_flash.h): key blocks slowest
+//    (keys_first), or rows slowest with a block's items query block by query block (rows_*).
 // Not done yet (FA3's later steps): a producer warp with setmaxnreg, overlap of one query block's
 // softmax with the next block's GEMMs (every wgmma group is waited for before its results are
-// used), dQ through shared memory and a TMA reduce-add (cp.reduce.async.bulk) from a separate
-// warp instead of per-thread vector reductions, deterministic dQ, and 2 blocks an SM at head_dim 64.
+// used), dQ's bulk reduce-adds issued from a separate warp, deterministic dQ, and 2 blocks an SM
+// at head_dim 64.
 //
 // Shared memory (from a 1024-aligned base): K and V [chunks][128 keys][128 bytes] each; two stages
 // of Q and dO [chunks][64 queries][128 bytes]; two dS^T buffers [128 keys][64 queries x 2 bytes]
@@ -60,7 +62,7 @@ constexpr int kBackwardQueries = 64;   // queries per query block (the N of S^T 
 constexpr int kBackwardThreads = 256;  // two warpgroups
 
 // How dQ is added (HopperDq): the kernel's template argument.
-constexpr int kDqPairs = 0, kDqQuads = 1, kDqBulk = 2;
+constexpr int kDqPairs = 0, kDqBulk = 1;
 
 // kDqStaged: the bulk mode's two dQ tiles (one a warpgroup) between the dS^T buffers and the stats.
 template <int D, bool kDqStaged = false>
@@ -107,12 +109,6 @@ struct HopperBackwardArgs {
 // address[0] += a, address[1] += b in global memory, no return value (8-byte aligned).
 __device__ __forceinline__ void reduce_add_pair(float* address, float a, float b) {
   asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(address), "f"(a), "f"(b) : "memory");
-}
-
-// address[0..3] += a, b, c, d (16-byte aligned; sm_90's vector reduction of four f32).
-__device__ __forceinline__ void reduce_add_quad(float* address, float a, float b, float c, float d) {
-  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(address), "f"(a), "f"(b), "f"(c), "f"(d)
-               : "memory");
 }
 
 __device__ __forceinline__ void cp_async_4_zero_fill(uint32_t shared, const void* global, bool valid) {
@@ -464,22 +460,6 @@ __global__ void __launch_bounds__(kBackwardThreads, 1)
             tma_reduce_add(dq_map, column0 + box * 32, h, q0, b, dq_tile + box * L::kDqBoxBytes);
           asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
         }
-      } else if constexpr (kDq == kDqQuads) {
-        // Half the reductions, four floats each: lanes t and t ^ 1 of a quad swap halves, so that
-        // the even lane holds 4 adjacent columns of row a (its 2 and its partner's) and the odd
-        // lane 4 of row b (its partner's 2, then its own). The columns start at 8 nt + 4 (t / 2):
-        // 16-byte aligned, as dq_accum is (flash_backward_hopper_serves) and every row of it is.
-        const bool odd = (thread_in_group & 1) != 0;
-        float* const dq_row = odd ? dq_b - 2 : dq_a;  // the odd lane's 4 columns start 2 before its own
-        const bool row_valid = odd ? query_b < seq : query_a < seq;
-#pragma unroll
-        for (int nt = 0; nt < kChunkColumns / 8; ++nt) {
-          const float send0 = odd ? acc[4 * nt] : acc[4 * nt + 2], send1 = odd ? acc[4 * nt + 1] : acc[4 * nt + 3];
-          const float got0 = __shfl_xor_sync(0xffffffffu, send0, 1), got1 = __shfl_xor_sync(0xffffffffu, send1, 1);
-          const float first0 = odd ? got0 : acc[4 * nt], first1 = odd ? got1 : acc[4 * nt + 1];
-          const float second0 = odd ? acc[4 * nt + 2] : got0, second1 = odd ? acc[4 * nt + 3] : got1;
-          if (row_valid) reduce_add_quad(dq_row + nt * 8, first0, first1, second0, second1);
-        }
       } else {
 #pragma unroll
         for (int nt = 0; nt < kChunkColumns / 8; ++nt) {
@@ -604,7 +584,6 @@ bool launch_flash_backward_hopper(const AttentionParams& p, const FlashTensors& 
   // The rows_* orders are built with the bulk way of adding dQ only (HopperOrder).
   if (order != HopperOrder::keys_first)
     return launch(std::integral_constant<int, kDqBulk>{}, std::true_type{});
-  if (dq == HopperDq::quads) return launch(std::integral_constant<int, kDqQuads>{}, std::false_type{});
   if (dq == HopperDq::bulk) return launch(std::integral_constant<int, kDqBulk>{}, std::false_type{});
   return launch(std::integral_constant<int, kDqPairs>{}, std::false_type{});
 }
