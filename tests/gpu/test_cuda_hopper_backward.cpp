@@ -42,11 +42,13 @@ using hopper::segment_ids;
 
 // The current flash versions with the Hopper backward turned on or off, and how it adds dQ.
 cuda::FlashVersions versions_with_hopper_backward(bool on, cuda::HopperDq dq = cuda::HopperDq::pairs,
-                                                  cuda::HopperOrder order = cuda::HopperOrder::keys_first) {
+                                                  cuda::HopperOrder order = cuda::HopperOrder::keys_first,
+                                                  int row_group = 0) {
   cuda::FlashVersions versions = cuda::flash_versions();
   versions.backward_hopper = on;
   versions.backward_hopper_dq = dq;
   versions.backward_hopper_order = order;
+  versions.backward_hopper_row_group = row_group;
   return versions;
 }
 
@@ -113,8 +115,8 @@ class CudaHopperBackwardTest : public CudaTest {
   Gradients backend_backward(bool hopper, DType type, const Config& c, const Tensor& d_out, const Tensor& out,
                              const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
                              const Tensor& segments = Tensor{}, cuda::HopperDq dq_mode = cuda::HopperDq::pairs,
-                             cuda::HopperOrder order = cuda::HopperOrder::keys_first) {
-    const FlashVersionsScope choice(versions_with_hopper_backward(hopper, dq_mode, order));
+                             cuda::HopperOrder order = cuda::HopperOrder::keys_first, int row_group = 0) {
+    const FlashVersionsScope choice(versions_with_hopper_backward(hopper, dq_mode, order, row_group));
     const AttentionDims dims = test::attention_dims_of(c);
     const Shape q_shape = q.shape, kv_shape = k.shape, rows{c.batch * c.heads * c.seq};
     DeviceTensor dq = poisoned(type, q_shape), dk = poisoned(type, kv_shape), dv = poisoned(type, kv_shape);
@@ -239,12 +241,14 @@ TEST_F(CudaHopperBackwardTest, BackendBackwardMatchesV2AtOddShapes) {
               EXPECT_TRUE(finite) << "dq: non-finite values (unwritten or NaN)";
             }
 
-            // The other block and item orders (built with dQ by bulk reduce-adds): dk and dv summed in
-            // another order, dq too; each within the tolerance of keys_first's.
-            for (const cuda::HopperOrder order : kRowOrders) {
-              SCOPED_TRACE(order_name(order));
-              const Gradients other =
-                  backend_backward(true, type, c, d_out, out, lse, q, k, v, none, cuda::HopperDq::bulk, order);
+            // The other block and item orders (built with dQ by bulk reduce-adds; rows in groups of the
+            // default size, and in groups of 5, which leaves a smaller last group at 8 or 24 rows):
+            // dk and dv summed in another order, dq too; each within the tolerance of keys_first's.
+            for (const auto& [order, row_group] : {std::pair{kRowOrders[0], 0}, std::pair{kRowOrders[1], 0},
+                                                   std::pair{kRowOrders[1], 5}}) {
+              SCOPED_TRACE(std::string(order_name(order)) + ", rows a group " + std::to_string(row_group));
+              const Gradients other = backend_backward(true, type, c, d_out, out, lse, q, k, v, none,
+                                                       cuda::HopperDq::bulk, order, row_group);
               for (const auto& [what, a, b] : {std::tuple{"dq", &other.dq, &hopper.dq},
                                                std::tuple{"dk", &other.dk, &hopper.dk},
                                                std::tuple{"dv", &other.dv, &hopper.dv}}) {
@@ -416,11 +420,17 @@ TEST_F(CudaHopperBackwardTest, TimingPrintHopperBackward) {
         gpu().attention_flash_backward(dq, dk, dv, delta, dq_accum, d_out, out, lse, q, k, v, none, dims);
       });
     }
-    // The other orders with dQ by bulk reduce-adds.
-    double main_pass_order[2] = {0.0, 0.0}, hopper_order[2] = {0.0, 0.0};
-    for (int i = 0; i < 2; ++i) {
-      const NvtxScope nvtx(range + "_" + variant_range_name(cuda::HopperDq::bulk, kRowOrders[i]));
-      const FlashVersionsScope other(versions_with_hopper_backward(true, cuda::HopperDq::bulk, kRowOrders[i]));
+    // The other orders with dQ by bulk reduce-adds: rising and falling with groups of the default
+    // size, falling with one row a group.
+    constexpr int kOrderRuns = 3;
+    const cuda::HopperOrder run_order[kOrderRuns] = {kRowOrders[0], kRowOrders[1], kRowOrders[1]};
+    const int run_row_group[kOrderRuns] = {0, 0, 1};
+    double main_pass_order[kOrderRuns] = {}, hopper_order[kOrderRuns] = {};
+    for (int i = 0; i < kOrderRuns; ++i) {
+      const NvtxScope nvtx(range + "_" + variant_range_name(cuda::HopperDq::bulk, run_order[i]) +
+                           (run_row_group[i] == 1 ? "_row" : ""));
+      const FlashVersionsScope other(
+          versions_with_hopper_backward(true, cuda::HopperDq::bulk, run_order[i], run_row_group[i]));
       main_pass_order[i] = time_ms([&] { cuda::launch_flash_backward_hopper(params_of(c), t, nullptr); });
       hopper_order[i] = time_ms([&] {
         gpu().attention_flash_backward(dq, dk, dv, delta, dq_accum, d_out, out, lse, q, k, v, none, dims);
@@ -457,10 +467,10 @@ TEST_F(CudaHopperBackwardTest, TimingPrintHopperBackward) {
     std::printf("  hopper main pass only %8.3f ms %7.1f TFLOP/s\n", main_pass, tflops(main_pass));
     std::printf("  hopper, dQ by TMA     %8.3f ms %7.1f TFLOP/s (main pass only %.3f ms, %.1f TFLOP/s)\n",
                 hopper_bulk, tflops(hopper_bulk), main_pass_bulk, tflops(main_pass_bulk));
-    for (int i = 0; i < 2; ++i)
-      std::printf("  hopper, TMA, %-26s %8.3f ms %7.1f TFLOP/s (main pass only %.3f ms, %.1f TFLOP/s)\n",
-                  order_name(kRowOrders[i]), hopper_order[i], tflops(hopper_order[i]), main_pass_order[i],
-                  tflops(main_pass_order[i]));
+    for (int i = 0; i < kOrderRuns; ++i)
+      std::printf("  hopper, TMA, %-26s%s %8.3f ms %7.1f TFLOP/s (main pass only %.3f ms, %.1f TFLOP/s)\n",
+                  order_name(run_order[i]), run_row_group[i] == 1 ? " (one row a group)" : "", hopper_order[i],
+                  tflops(hopper_order[i]), main_pass_order[i], tflops(main_pass_order[i]));
     std::printf("  v2 (mma.sync)         %8.3f ms %7.1f TFLOP/s\n", v2, tflops(v2));
     if (cudnn > 0.0) std::printf("  cudnn                 %8.3f ms %7.1f TFLOP/s\n", cudnn, tflops(cudnn));
 

@@ -545,19 +545,34 @@ bool launch_forward(const AttentionParams& p, const FlashTensors& t, cudaStream_
 
 }  // namespace
 
-// attention_flash_tiles.cuh. The attribute does not change while the process runs.
-int flash_max_shared_per_block() {
-  constexpr int kDevices = 64;
-  static std::atomic<int> cached[kDevices] = {};
+namespace {
+
+// The current device's value of an attribute that does not change while the process runs, cached
+// per device in `cached` (one array per attribute).
+constexpr int kCachedDevices = 64;
+int cached_device_attribute(cudaDeviceAttr attribute, std::atomic<int> (&cached)[kCachedDevices]) {
   int device = 0;
   MT_CUDA_CHECK(cudaGetDevice(&device));
-  if (device >= kDevices) device = kDevices - 1;  // beyond 64 GPUs: any one's value is a guess
-  int bytes = cached[device].load(std::memory_order_relaxed);
-  if (bytes == 0) {
-    MT_CUDA_CHECK(cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-    cached[device].store(bytes, std::memory_order_relaxed);
+  if (device >= kCachedDevices) device = kCachedDevices - 1;  // beyond 64 GPUs: any one's value is a guess
+  int value = cached[device].load(std::memory_order_relaxed);
+  if (value == 0) {
+    MT_CUDA_CHECK(cudaDeviceGetAttribute(&value, attribute, device));
+    cached[device].store(value, std::memory_order_relaxed);
   }
-  return bytes;
+  return value;
+}
+
+}  // namespace
+
+// attention_flash_tiles.cuh.
+int flash_max_shared_per_block() {
+  static std::atomic<int> cached[kCachedDevices] = {};
+  return cached_device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, cached);
+}
+
+int flash_multiprocessors() {
+  static std::atomic<int> cached[kCachedDevices] = {};
+  return cached_device_attribute(cudaDevAttrMultiProcessorCount, cached);
 }
 
 namespace {
@@ -619,6 +634,11 @@ std::atomic<HopperOrder>& backward_order_value() {
   return order;
 }
 
+std::atomic<int>& backward_row_group_value() {
+  static std::atomic<int> rows{FlashVersions{}.backward_hopper_row_group};
+  return rows;
+}
+
 // Forward v2's keys per block (MEMTUNE_FLASH_FWD_KEYS=32 or 64; else 0, the default); read once.
 std::atomic<int>& forward_keys_value() {
   static std::atomic<int> keys{[] {
@@ -652,6 +672,7 @@ FlashVersions flash_versions() {
   versions.backward_hopper = backward_hopper_flag().load(std::memory_order_relaxed);
   versions.backward_hopper_dq = backward_dq_value().load(std::memory_order_relaxed);
   versions.backward_hopper_order = backward_order_value().load(std::memory_order_relaxed);
+  versions.backward_hopper_row_group = backward_row_group_value().load(std::memory_order_relaxed);
   versions.forward_keys = forward_keys_value().load(std::memory_order_relaxed);
   versions.forward_grid_per_head = forward_grid_per_head_flag().load(std::memory_order_relaxed);
   versions.forward_rescale_always = forward_rescale_always_flag().load(std::memory_order_relaxed);
@@ -664,6 +685,7 @@ void set_flash_versions(const FlashVersions& versions) {
   backward_hopper_flag().store(versions.backward_hopper, std::memory_order_relaxed);
   backward_dq_value().store(versions.backward_hopper_dq, std::memory_order_relaxed);
   backward_order_value().store(versions.backward_hopper_order, std::memory_order_relaxed);
+  backward_row_group_value().store(versions.backward_hopper_row_group, std::memory_order_relaxed);
   forward_keys_value().store(versions.forward_keys, std::memory_order_relaxed);
   forward_grid_per_head_flag().store(versions.forward_grid_per_head, std::memory_order_relaxed);
   forward_rescale_always_flag().store(versions.forward_rescale_always, std::memory_order_relaxed);

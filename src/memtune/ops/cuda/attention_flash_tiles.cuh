@@ -21,6 +21,8 @@ namespace memtune::cuda {
 // The largest dynamic shared memory a block may opt into on the current device, cached per
 // device (attention_flash_forward.cu).
 int flash_max_shared_per_block();
+// The current device's multiprocessor count, cached per device (attention_flash_forward.cu).
+int flash_multiprocessors();
 
 namespace {
 

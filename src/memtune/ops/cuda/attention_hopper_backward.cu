@@ -46,6 +46,7 @@
 // mbarriers; segment_reach's scratch: 163.1 KiB at head_dim 128, 99.1 KiB at 64 (with the 1 KiB
 // of alignment slack). ptxas (CUDA 13.0): 240 registers at head_dim 128 (246 on packed rows), 196
 // (197) at 64, no spills.
+#include <algorithm>
 #include <climits>
 #include <type_traits>
 
@@ -101,6 +102,7 @@ struct HopperBackwardArgs {
   void* dv = nullptr;
   const int32_t* segments = nullptr;  // i32 [batch, seq] (kSegments), else null
   int key_blocks = 0;                 // key blocks a row: ceil(seq / kBackwardKeys)
+  int group_rows = 1;                 // the rows_* orders: rows a group (the last group may hold fewer)
   HopperOrder order = HopperOrder::keys_first;
 };
 
@@ -156,12 +158,19 @@ __global__ void __launch_bounds__(kBackwardThreads, 1)
 
   // keys_first: the key block slowest over the grid, from 0: the blocks with the most query blocks
   // to visit (the first keys of a causal row) start first, the short ones fill the tail (as
-  // backward v2). The rows_* orders: the row slowest, its key blocks from 0 within it, so that a
-  // row's blocks run together and their dQ adds meet in L2 (HopperOrder).
+  // backward v2). The rows_* orders: the same within groups of group_rows rows, the groups one
+  // after another, so that a group's blocks run together and their dQ adds meet in L2 (HopperOrder).
   const int kv_heads_batch = args.kv_heads * args.batch;
   const int block_index = static_cast<int>(blockIdx.x);
-  const int key_block = kRows ? block_index % args.key_blocks : block_index / kv_heads_batch;
-  const int head_row = kRows ? block_index / args.key_blocks : block_index % kv_heads_batch;
+  int key_block = block_index / kv_heads_batch, head_row = block_index % kv_heads_batch;
+  if constexpr (kRows) {
+    const int group_blocks = args.group_rows * args.key_blocks;
+    const int first_row = block_index / group_blocks * args.group_rows;
+    const int rows_here = min(args.group_rows, kv_heads_batch - first_row);
+    const int local = block_index % group_blocks;
+    key_block = local / rows_here;
+    head_row = first_row + local % rows_here;
+  }
   const int g = head_row % args.kv_heads, b = head_row / args.kv_heads;
   const int k0 = key_block * kBackwardKeys;
   const int seq = args.seq, group = args.kv_group;
@@ -509,7 +518,8 @@ __global__ void __launch_bounds__(kBackwardThreads, 1)
 // ================================ host side =====================================================
 
 template <int D, bool kBf16, int kDq, bool kRows>
-bool launch_backward(const AttentionParams& p, const FlashTensors& t, HopperOrder order, cudaStream_t stream) {
+bool launch_backward(const AttentionParams& p, const FlashTensors& t, HopperOrder order, int row_group,
+                     cudaStream_t stream) {
   constexpr int bytes = BackwardLayout<D, kDq == kDqBulk>::kSharedBytes;
   if (flash_max_shared_per_block() < bytes) return false;
   CUtensorMap q_map, k_map, v_map, do_map, dq_map{};
@@ -536,6 +546,11 @@ bool launch_backward(const AttentionParams& p, const FlashTensors& t, HopperOrde
   args.segments = p.segments;
   args.key_blocks = static_cast<int>((p.seq + kBackwardKeys - 1) / kBackwardKeys);
   args.order = order;
+  if constexpr (kRows) {  // rows a group: the fewest whose blocks fill two waves (one block an SM), unless set
+    const int rows = args.kv_heads * args.batch;
+    const int wave_rows = (2 * flash_multiprocessors() + args.key_blocks - 1) / args.key_blocks;
+    args.group_rows = std::clamp(row_group > 0 ? row_group : wave_rows, 1, rows);
+  }
   const unsigned blocks = static_cast<unsigned>(args.key_blocks * p.n_kv_heads * p.batch);
   auto launch = [&](auto kernel) {
     allow_shared(kernel, bytes);
@@ -571,15 +586,16 @@ bool launch_flash_backward_hopper(const AttentionParams& p, const FlashTensors& 
   const FlashVersions versions = flash_versions();
   const HopperDq dq = versions.backward_hopper_dq;
   const HopperOrder order = versions.backward_hopper_order;
+  const int row_group = versions.backward_hopper_row_group;
   auto launch = [&](auto dq_mode, auto rows) {
     constexpr int kDq = decltype(dq_mode)::value;
     constexpr bool kRows = decltype(rows)::value;
     const bool bf16 = t.q_type == DType::bf16;
     if (p.head_dim == 64)
-      return bf16 ? launch_backward<64, true, kDq, kRows>(p, t, order, stream)
-                  : launch_backward<64, false, kDq, kRows>(p, t, order, stream);
-    return bf16 ? launch_backward<128, true, kDq, kRows>(p, t, order, stream)
-                : launch_backward<128, false, kDq, kRows>(p, t, order, stream);
+      return bf16 ? launch_backward<64, true, kDq, kRows>(p, t, order, row_group, stream)
+                  : launch_backward<64, false, kDq, kRows>(p, t, order, row_group, stream);
+    return bf16 ? launch_backward<128, true, kDq, kRows>(p, t, order, row_group, stream)
+                : launch_backward<128, false, kDq, kRows>(p, t, order, row_group, stream);
   };
   // The rows_* orders are built with the bulk way of adding dQ only (HopperOrder).
   if (order != HopperOrder::keys_first)
