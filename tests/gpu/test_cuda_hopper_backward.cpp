@@ -421,14 +421,16 @@ TEST_F(CudaHopperBackwardTest, TimingPrintHopperBackward) {
       });
     }
     // The other orders with dQ by bulk reduce-adds: rising and falling with groups of the default
-    // size, falling with one row a group.
-    constexpr int kOrderRuns = 3;
-    const cuda::HopperOrder run_order[kOrderRuns] = {kRowOrders[0], kRowOrders[1], kRowOrders[1]};
-    const int run_row_group[kOrderRuns] = {0, 0, 1};
+    // size (0), falling with 1, 2, 4 and 8 rows a group (the group size trades the tail of the
+    // launch, bench/backward_schedule.py, against how much of the accumulator a group touches).
+    constexpr int kOrderRuns = 6;
+    const cuda::HopperOrder run_order[kOrderRuns] = {kRowOrders[0], kRowOrders[1], kRowOrders[1],
+                                                     kRowOrders[1], kRowOrders[1], kRowOrders[1]};
+    const int run_row_group[kOrderRuns] = {0, 0, 1, 2, 4, 8};
     double main_pass_order[kOrderRuns] = {}, hopper_order[kOrderRuns] = {};
     for (int i = 0; i < kOrderRuns; ++i) {
       const NvtxScope nvtx(range + "_" + variant_range_name(cuda::HopperDq::bulk, run_order[i]) +
-                           (run_row_group[i] == 1 ? "_row" : ""));
+                           (run_row_group[i] > 0 ? "_r" + std::to_string(run_row_group[i]) : ""));
       const FlashVersionsScope other(
           versions_with_hopper_backward(true, cuda::HopperDq::bulk, run_order[i], run_row_group[i]));
       main_pass_order[i] = time_ms([&] { cuda::launch_flash_backward_hopper(params_of(c), t, nullptr); });
@@ -467,10 +469,13 @@ TEST_F(CudaHopperBackwardTest, TimingPrintHopperBackward) {
     std::printf("  hopper main pass only %8.3f ms %7.1f TFLOP/s\n", main_pass, tflops(main_pass));
     std::printf("  hopper, dQ by TMA     %8.3f ms %7.1f TFLOP/s (main pass only %.3f ms, %.1f TFLOP/s)\n",
                 hopper_bulk, tflops(hopper_bulk), main_pass_bulk, tflops(main_pass_bulk));
-    for (int i = 0; i < kOrderRuns; ++i)
-      std::printf("  hopper, TMA, %-26s%s %8.3f ms %7.1f TFLOP/s (main pass only %.3f ms, %.1f TFLOP/s)\n",
-                  order_name(run_order[i]), run_row_group[i] == 1 ? " (one row a group)" : "", hopper_order[i],
-                  tflops(hopper_order[i]), main_pass_order[i], tflops(main_pass_order[i]));
+    for (int i = 0; i < kOrderRuns; ++i) {
+      const std::string group_size =
+          run_row_group[i] > 0 ? std::to_string(run_row_group[i]) + " rows a group" : "default groups";
+      std::printf("  hopper, TMA, %-26s %-16s %8.3f ms %7.1f TFLOP/s (main pass only %.3f ms, %.1f TFLOP/s)\n",
+                  order_name(run_order[i]), group_size.c_str(), hopper_order[i], tflops(hopper_order[i]),
+                  main_pass_order[i], tflops(main_pass_order[i]));
+    }
     std::printf("  v2 (mma.sync)         %8.3f ms %7.1f TFLOP/s\n", v2, tflops(v2));
     if (cudnn > 0.0) std::printf("  cudnn                 %8.3f ms %7.1f TFLOP/s\n", cudnn, tflops(cudnn));
 

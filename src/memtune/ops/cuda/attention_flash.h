@@ -27,8 +27,8 @@ enum class HopperDq { pairs, bulk };
 //                start together add into the same query tile at once.
 // In the rows_* orders the rows go in groups (FlashVersions::backward_hopper_row_group), key
 // blocks slowest within a group: one row a group would leave a row's longest block to start last
-// (a tail of 12-15% of the launch at b8 s2048 and b2 s8192 in a list-scheduling count, NOTES); a
-// group of at least two waves of blocks keeps the longest first as keys_first does.
+// (a tail of 12-15% of the launch at b8 s2048 and b2 s8192, bench/backward_schedule.py); groups of
+// at least two waves of blocks each, the rows shared evenly, keep the tail under ~3% there.
 // The rows_* orders are built with dQ by bulk reduce-adds only: they run it whatever
 // backward_hopper_dq says.
 enum class HopperOrder { keys_first, rows_rising, rows_falling };
@@ -50,8 +50,8 @@ struct FlashVersions {
                                                                // item order (HopperOrder);
                                                                // MEMTUNE_FLASH_BACKWARD_ORDER=keys,
                                                                // rising or falling sets the start value
-  int backward_hopper_row_group = 0;  // rows a group in the rows_* orders; 0: the fewest that hold
-                                      // two waves of blocks (2 x multiprocessors / key blocks)
+  int backward_hopper_row_group = 0;  // rows a group in the rows_* orders; 0: as many groups as
+                                      // hold two waves of blocks each, the rows shared evenly
   int forward_keys = 0;                 // keys per block: 32 or 64 (where shared memory allows),
                                         // 0 the default; MEMTUNE_FLASH_FWD_KEYS sets the start value
   bool forward_grid_per_head = false;   // heaviest query blocks first per head, not grid-wide

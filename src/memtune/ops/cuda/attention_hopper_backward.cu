@@ -546,10 +546,14 @@ bool launch_backward(const AttentionParams& p, const FlashTensors& t, HopperOrde
   args.segments = p.segments;
   args.key_blocks = static_cast<int>((p.seq + kBackwardKeys - 1) / kBackwardKeys);
   args.order = order;
-  if constexpr (kRows) {  // rows a group: the fewest whose blocks fill two waves (one block an SM), unless set
+  if constexpr (kRows) {
+    // Rows a group, unless set: as many groups as hold two waves of blocks (one block an SM) each,
+    // the rows shared evenly among them (a small last group would leave its longest blocks to
+    // start last; bench/backward_schedule.py counts the tails).
     const int rows = args.kv_heads * args.batch;
     const int wave_rows = (2 * flash_multiprocessors() + args.key_blocks - 1) / args.key_blocks;
-    args.group_rows = std::clamp(row_group > 0 ? row_group : wave_rows, 1, rows);
+    const int groups = std::max(1, rows / wave_rows);
+    args.group_rows = std::clamp(row_group > 0 ? row_group : (rows + groups - 1) / groups, 1, rows);
   }
   const unsigned blocks = static_cast<unsigned>(args.key_blocks * p.n_kv_heads * p.batch);
   auto launch = [&](auto kernel) {
