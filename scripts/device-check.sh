@@ -468,19 +468,23 @@ if has_part attn-step; then
   stamp attn-step
   A="$WORK/attn-step"; mkdir -p "$A"
   QLORA_FLASH="--load_in_4bit --bf16 --gradient_checkpointing --loss_implementation chunked --offload_embeddings"
-  # An entry is a MEMTUNE_FLASH_BACKWARD value, or VALUE:ORDER with a MEMTUNE_FLASH_BACKWARD_ORDER.
-  for round in $(seq "${ATTN_STEP_ROUNDS:-2}"); do
+  # One run a backward version: attn_step_runs NAME SUFFIX TIMEOUT TRAIN_ARGS...; the run of entry E
+  # is NAME-E-SUFFIX. An entry is a MEMTUNE_FLASH_BACKWARD value, or VALUE:ORDER with a
+  # MEMTUNE_FLASH_BACKWARD_ORDER.
+  attn_step_runs() {
+    local name=$1 suffix=$2 limit=$3 entry backward order
+    shift 3
     for entry in ${ATTN_STEP_BACKWARDS:-v2 hopper}; do
       backward=${entry%%:*}; order=keys; [ "$entry" != "$backward" ] && order=${entry#*:}
-      MEMTUNE_FLASH_BACKWARD=$backward MEMTUNE_FLASH_BACKWARD_ORDER=$order timed_train "$A" "c1-${entry/:/-}-$round" 150 \
-        $QLORA_FLASH --attn_implementation flash --batch 2 --accum 2 --seq 2048 --lora_r 16 --lora_alpha 16 --max_steps 6
+      # shellcheck disable=SC2086
+      MEMTUNE_FLASH_BACKWARD=$backward MEMTUNE_FLASH_BACKWARD_ORDER=$order \
+        timed_train "$A" "$name-${entry/:/-}$suffix" "$limit" $QLORA_FLASH --attn_implementation flash "$@"
     done
+  }
+  for round in $(seq "${ATTN_STEP_ROUNDS:-2}"); do
+    attn_step_runs c1 "-$round" 150 --batch 2 --accum 2 --seq 2048 --lora_r 16 --lora_alpha 16 --max_steps 6
   done
-  for entry in ${ATTN_STEP_BACKWARDS:-v2 hopper}; do
-    backward=${entry%%:*}; order=keys; [ "$entry" != "$backward" ] && order=${entry#*:}
-    MEMTUNE_FLASH_BACKWARD=$backward MEMTUNE_FLASH_BACKWARD_ORDER=$order timed_train "$A" "s32k-${entry/:/-}" 200 \
-      $QLORA_FLASH --attn_implementation flash --batch 1 --accum 1 --seq 32768 --lora_r 16 --lora_alpha 16 --max_steps 4
-  done
+  attn_step_runs s32k "" 200 --batch 1 --accum 1 --seq 32768 --lora_r 16 --lora_alpha 16 --max_steps 4
   if [ "${ATTN_STEP_CUDNN:-1}" = 1 ]; then
     timed_train "$A" "s32k-cudnn" 200 $QLORA_FLASH --attn_implementation cudnn \
       --batch 1 --accum 1 --seq 32768 --lora_r 16 --lora_alpha 16 --max_steps 4

@@ -70,11 +70,14 @@ check() {
 }
 # memtune's variants of configurations 1-3 (device-check's configs part).
 MEMTUNE_CONFIGS=qlora,qlora-offload,qlora-offload-opt,lora16,lora16-offload-opt,data-merged,data-merged-opt,data-packed
-# transformers + PEFT and Liger on configurations 1 and 3, then both on configuration 2 (r32, batch 2
-# x accumulation 4, unpacked; PEER_ARGS come last and win).
-hf_and_liger_configs() {
+# transformers + PEFT and Liger on configurations 1 and 3 (the ladder's flash and QLoRA rungs).
+hf_and_liger_configs_1_3() {
   LIGER_STEPS=3 LIGER_ARGS="--only flash,qlora" LIGER_TIMEOUT=120 LADDER_STEPS=3 PEER_ARGS="--only flash,qlora" \
     PEER_TIMEOUT=120 check "$BIN_DIR" liger,peer
+}
+# Both on configuration 2 (r32, batch 2 x accumulation 4, sft-tasks.jsonl, unpacked; PEER_ARGS come
+# last and win).
+hf_and_liger_config_2() {
   local c2="--lora-r 32 --lora-alpha 32 --accum 4 --steps 4"
   PEER_DATA_MEMTUNE=0 PEER_DATA_PACKED=0 DATA_TIMEOUT=100 PEER_ARGS="$c2" check "$BIN_DIR" peer-data
   PEER_DATA_MEMTUNE=0 PEER_DATA_PACKED=0 DATA_TIMEOUT=100 PEER_ARGS="$c2 --liger" check "$BIN_DIR" peer-data
@@ -91,7 +94,8 @@ case "$CALL" in
       CONFIGS=${CONFIGS:-$MEMTUNE_CONFIGS} check "$BIN_DIR" tests,configs
     [ -n "${BASE_BIN_DIR:-}" ] && CONFIGS=qlora,lora16 CONFIG_STEPS=6 check "$BASE_BIN_DIR" configs
     DATA_MODES=synthetic,unpacked,grouped,padding_free,packed DATA_STEPS=6 DATA_TIMEOUT=90 check "$BIN_DIR" peer-data
-    hf_and_liger_configs
+    hf_and_liger_configs_1_3
+    hf_and_liger_config_2
     ;;
   b)
     # The longest context first (nothing else measures it); the model folder it writes is reused.
@@ -163,16 +167,13 @@ case "$CALL" in
     # it, the call ran past 600 s.
     CONFIGS=${CONFIGS:-$MEMTUNE_CONFIGS} CONFIG_STEPS=6 check "$BIN_DIR" configs
     UNSLOTH_STEPS=4 UNSLOTH_TIMEOUT=${UNSLOTH_TIMEOUT:-300} check "$BIN_DIR" unsloth,unsloth-data
-    LIGER_STEPS=3 LIGER_ARGS="--only flash,qlora" LIGER_TIMEOUT=120 LADDER_STEPS=3 PEER_ARGS="--only flash,qlora" \
-      PEER_TIMEOUT=120 check "$BIN_DIR" liger,peer
+    hf_and_liger_configs_1_3
     ;;
   i)
     # Configuration 2 (r32, batch 2 x accumulation 4, sft-tasks.jsonl, unpacked) for transformers +
     # PEFT and Liger: the half of the old call h that followed Unsloth (memtune's configuration 2,
     # data-merged and data-packed, runs in call h's configs part).
-    c2="--lora-r 32 --lora-alpha 32 --accum 4 --steps 4"
-    PEER_DATA_MEMTUNE=0 PEER_DATA_PACKED=0 DATA_TIMEOUT=100 PEER_ARGS="$c2" check "$BIN_DIR" peer-data
-    PEER_DATA_MEMTUNE=0 PEER_DATA_PACKED=0 DATA_TIMEOUT=100 PEER_ARGS="$c2 --liger" check "$BIN_DIR" peer-data
+    hf_and_liger_config_2
     ;;
   l)
     # Configuration 4 under the large cap past memtune's no-offload edge: memtune with activation
