@@ -411,22 +411,13 @@ TEST_F(CudaHopperBackwardTest, TimingPrintHopperBackward) {
       // here and below with dQ added each way.
       main_pass = time_ms([&] { cuda::launch_flash_backward_hopper(params_of(c), t, nullptr); });
     }
-    double main_pass_bulk = 0.0, hopper_bulk = 0.0;
-    {
-      const NvtxScope nvtx(range + "_" + variant_range_name(cuda::HopperDq::bulk, cuda::HopperOrder::keys_first));
-      const FlashVersionsScope other(versions_with_hopper_backward(true, cuda::HopperDq::bulk));
-      main_pass_bulk = time_ms([&] { cuda::launch_flash_backward_hopper(params_of(c), t, nullptr); });
-      hopper_bulk = time_ms([&] {
-        gpu().attention_flash_backward(dq, dk, dv, delta, dq_accum, d_out, out, lse, q, k, v, none, dims);
-      });
-    }
-    // The other orders with dQ by bulk reduce-adds: rising and falling with groups of the default
-    // size (0), falling with 1, 2, 4 and 8 rows a group (the group size trades the tail of the
-    // launch, bench/backward_schedule.py, against how much of the accumulator a group touches).
-    constexpr int kOrderRuns = 6;
-    const cuda::HopperOrder run_order[kOrderRuns] = {kRowOrders[0], kRowOrders[1], kRowOrders[1],
-                                                     kRowOrders[1], kRowOrders[1], kRowOrders[1]};
-    const int run_row_group[kOrderRuns] = {0, 0, 1, 2, 4, 8};
+    // dQ by bulk reduce-adds in each order: keys_first; rising and falling with groups of the
+    // default size (0); falling with 1, 2, 4 and 8 rows a group (the group size trades the tail of
+    // the launch, bench/backward_schedule.py, against how much of the accumulator a group touches).
+    constexpr int kOrderRuns = 7;
+    const cuda::HopperOrder run_order[kOrderRuns] = {cuda::HopperOrder::keys_first, kRowOrders[0], kRowOrders[1],
+                                                     kRowOrders[1], kRowOrders[1], kRowOrders[1], kRowOrders[1]};
+    const int run_row_group[kOrderRuns] = {0, 0, 0, 1, 2, 4, 8};
     double main_pass_order[kOrderRuns] = {}, hopper_order[kOrderRuns] = {};
     for (int i = 0; i < kOrderRuns; ++i) {
       const NvtxScope nvtx(range + "_" + variant_range_name(cuda::HopperDq::bulk, run_order[i]) +
@@ -467,11 +458,10 @@ TEST_F(CudaHopperBackwardTest, TimingPrintHopperBackward) {
     std::printf("TIMING attention backward %s causal (median of 7):\n", label(c, DType::bf16).c_str());
     std::printf("  hopper (wgmma+TMA)    %8.3f ms %7.1f TFLOP/s\n", hopper, tflops(hopper));
     std::printf("  hopper main pass only %8.3f ms %7.1f TFLOP/s\n", main_pass, tflops(main_pass));
-    std::printf("  hopper, dQ by TMA     %8.3f ms %7.1f TFLOP/s (main pass only %.3f ms, %.1f TFLOP/s)\n",
-                hopper_bulk, tflops(hopper_bulk), main_pass_bulk, tflops(main_pass_bulk));
     for (int i = 0; i < kOrderRuns; ++i) {
-      const std::string group_size =
-          run_row_group[i] > 0 ? std::to_string(run_row_group[i]) + " rows a group" : "default groups";
+      const std::string group_size = run_order[i] == cuda::HopperOrder::keys_first ? ""
+                                     : run_row_group[i] > 0 ? std::to_string(run_row_group[i]) + " rows a group"
+                                                            : "default groups";
       std::printf("  hopper, TMA, %-26s %-16s %8.3f ms %7.1f TFLOP/s (main pass only %.3f ms, %.1f TFLOP/s)\n",
                   order_name(run_order[i]), group_size.c_str(), hopper_order[i], tflops(hopper_order[i]),
                   main_pass_order[i], tflops(main_pass_order[i]));
