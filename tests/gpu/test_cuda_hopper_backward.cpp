@@ -547,5 +547,28 @@ TEST(FlashVersionsEnvironment, BackwardOrderValuesSetTheOrderAndAnUnknownOneAbor
       "MEMTUNE_FLASH_BACKWARD_ORDER takes keys, rising or falling");
 }
 
+// MEMTUNE_FLASH_FORWARD, likewise: hopper (or unset) and v2 set whether the Hopper forward runs;
+// anything else aborts.
+TEST(FlashVersionsEnvironment, ForwardValuesSetTheVersionAndAnUnknownOneAborts) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  auto exit_code = [](bool hopper) { return cuda::flash_versions().forward_hopper == hopper ? 0 : 1; };
+  for (const auto& [value, hopper] : {std::pair{"", true}, std::pair{"hopper", true}, std::pair{"v2", false}}) {
+    SCOPED_TRACE(value);
+    EXPECT_EXIT(
+        {
+          if (*value == 0) ::unsetenv("MEMTUNE_FLASH_FORWARD");
+          else ::setenv("MEMTUNE_FLASH_FORWARD", value, 1);
+          std::exit(exit_code(hopper));
+        },
+        ::testing::ExitedWithCode(0), "");
+  }
+  EXPECT_DEATH(
+      {
+        ::setenv("MEMTUNE_FLASH_FORWARD", "v3", 1);
+        (void)cuda::flash_versions();
+      },
+      "MEMTUNE_FLASH_FORWARD takes v2 or hopper");
+}
+
 }  // namespace
 }  // namespace memtune::gputest

@@ -20,6 +20,8 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <string>
+#include <utility>
 
 #include "memtune/ops/cuda/attention_flash.h"
 #include "memtune/ops/cuda/attention_flash_tiles.cuh"
@@ -577,35 +579,40 @@ int flash_multiprocessors() {
 
 namespace {
 
-// Whether the Hopper forward may run (MEMTUNE_FLASH_FORWARD=v2: no; hopper or unset: yes); read
-// once. Any other value aborts: a mistyped switch would silently time or bisect the wrong kernel.
+// The value that environment variable `name` names among `choices` (unset: `unset`). Any other
+// value aborts, naming the values it takes: a mistyped switch would silently time or bisect the
+// wrong kernel.
+template <typename T, size_t N>
+T environment_choice(const char* name, T unset, const std::pair<const char*, T> (&choices)[N]) {
+  const char* value = std::getenv(name);
+  if (value == nullptr) return unset;
+  std::string names;
+  for (size_t i = 0; i < N; ++i) {
+    if (std::strcmp(value, choices[i].first) == 0) return choices[i].second;
+    names += (i == 0 ? "" : i + 1 == N ? " or " : ", ") + std::string(choices[i].first);
+  }
+  const std::string what = std::string(name) + " takes " + names;
+  cuda_check_failed(("getenv(\"" + std::string(name) + "\")").c_str(), "environment", what.c_str(), __FILE__,
+                    __LINE__);
+}
+
+// Whether the Hopper forward may run (MEMTUNE_FLASH_FORWARD: unset or hopper, yes; v2, no); read once.
 std::atomic<bool>& forward_hopper_flag() {
-  static std::atomic<bool> flag{[] {
-    const char* value = std::getenv("MEMTUNE_FLASH_FORWARD");
-    if (value == nullptr || std::strcmp(value, "hopper") == 0) return true;
-    if (std::strcmp(value, "v2") == 0) return false;
-    cuda_check_failed("getenv(\"MEMTUNE_FLASH_FORWARD\")", "environment", "MEMTUNE_FLASH_FORWARD takes v2 or hopper",
-                      __FILE__, __LINE__);
-  }()};
+  static std::atomic<bool> flag{environment_choice<bool>("MEMTUNE_FLASH_FORWARD", true,
+                                                         {{"v2", false}, {"hopper", true}})};
   return flag;
 }
 
 // MEMTUNE_FLASH_BACKWARD, read once: unset or "hopper" (the Hopper backward, dQ by 2-float
-// reductions), "hopper-dqtma" (bulk reduce-adds of shared-memory tiles) or "v2" (backward v2). Any
-// other value aborts, as for MEMTUNE_FLASH_FORWARD.
+// reductions), "hopper-dqtma" (bulk reduce-adds of shared-memory tiles) or "v2" (backward v2).
 struct BackwardChoice {
   bool hopper = true;
   HopperDq dq = HopperDq::pairs;
 };
 const BackwardChoice& backward_environment() {
-  static const BackwardChoice choice = [] {
-    const char* v = std::getenv("MEMTUNE_FLASH_BACKWARD");
-    if (v == nullptr || std::strcmp(v, "hopper") == 0) return BackwardChoice{};
-    if (std::strcmp(v, "hopper-dqtma") == 0) return BackwardChoice{true, HopperDq::bulk};
-    if (std::strcmp(v, "v2") == 0) return BackwardChoice{false, HopperDq::pairs};
-    cuda_check_failed("getenv(\"MEMTUNE_FLASH_BACKWARD\")", "environment",
-                      "MEMTUNE_FLASH_BACKWARD takes v2, hopper or hopper-dqtma", __FILE__, __LINE__);
-  }();
+  static const BackwardChoice choice = environment_choice<BackwardChoice>(
+      "MEMTUNE_FLASH_BACKWARD", BackwardChoice{},
+      {{"v2", {false, HopperDq::pairs}}, {"hopper", {}}, {"hopper-dqtma", {true, HopperDq::bulk}}});
   return choice;
 }
 
@@ -620,17 +627,12 @@ std::atomic<HopperDq>& backward_dq_value() {
   return mode;
 }
 
-// The Hopper backward's order (MEMTUNE_FLASH_BACKWARD_ORDER: unset or "keys", "rising", "falling";
-// any other value aborts), read once.
+// The Hopper backward's order (MEMTUNE_FLASH_BACKWARD_ORDER: unset or "keys", "rising", "falling"),
+// read once.
 std::atomic<HopperOrder>& backward_order_value() {
-  static std::atomic<HopperOrder> order{[] {
-    const char* v = std::getenv("MEMTUNE_FLASH_BACKWARD_ORDER");
-    if (v == nullptr || std::strcmp(v, "keys") == 0) return HopperOrder::keys_first;
-    if (std::strcmp(v, "rising") == 0) return HopperOrder::rows_rising;
-    if (std::strcmp(v, "falling") == 0) return HopperOrder::rows_falling;
-    cuda_check_failed("getenv(\"MEMTUNE_FLASH_BACKWARD_ORDER\")", "environment",
-                      "MEMTUNE_FLASH_BACKWARD_ORDER takes keys, rising or falling", __FILE__, __LINE__);
-  }()};
+  static std::atomic<HopperOrder> order{environment_choice<HopperOrder>(
+      "MEMTUNE_FLASH_BACKWARD_ORDER", HopperOrder::keys_first,
+      {{"keys", HopperOrder::keys_first}, {"rising", HopperOrder::rows_rising}, {"falling", HopperOrder::rows_falling}})};
   return order;
 }
 
