@@ -82,10 +82,7 @@ class NvtxScope {
 // A variant's short name in NVTX ranges: "bulk_falling".
 std::string variant_range_name(cuda::HopperDq dq, cuda::HopperOrder order) {
   const char* way = dq == cuda::HopperDq::bulk ? "bulk" : "pairs";
-  const char* sequence = order == cuda::HopperOrder::rows_rising    ? "rising"
-                         : order == cuda::HopperOrder::rows_falling ? "falling"
-                                                                    : "keys";
-  return std::string(way) + "_" + sequence;
+  return std::string(way) + "_" + cuda::hopper_order_short_name(order);
 }
 
 class CudaHopperBackwardTest : public CudaTest {

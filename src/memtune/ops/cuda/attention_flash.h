@@ -32,6 +32,18 @@ enum class HopperDq { pairs, bulk };
 // The rows_* orders are built with dQ by bulk reduce-adds only: they run it whatever
 // backward_hopper_dq says.
 enum class HopperOrder { keys_first, rows_rising, rows_falling };
+// Each order's short name: MEMTUNE_FLASH_BACKWARD_ORDER's values and the tests' NVTX ranges.
+struct HopperOrderName {
+  const char* name;
+  HopperOrder order;
+};
+inline constexpr HopperOrderName kHopperOrderNames[] = {
+    {"keys", HopperOrder::keys_first}, {"rising", HopperOrder::rows_rising}, {"falling", HopperOrder::rows_falling}};
+inline const char* hopper_order_short_name(HopperOrder order) {
+  for (const HopperOrderName& entry : kHopperOrderNames)
+    if (entry.order == order) return entry.name;
+  return "?";
+}
 
 struct FlashVersions {
   bool forward_hopper = true;           // the Hopper forward (attention_hopper.h: compute capability

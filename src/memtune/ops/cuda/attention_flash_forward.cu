@@ -21,7 +21,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
-#include <utility>
+#include <iterator>
 
 #include "memtune/ops/cuda/attention_flash.h"
 #include "memtune/ops/cuda/attention_flash_tiles.cuh"
@@ -582,14 +582,19 @@ namespace {
 // The value that environment variable `name` names among `choices` (unset: `unset`). Any other
 // value aborts, naming the values it takes: a mistyped switch would silently time or bisect the
 // wrong kernel.
+template <typename T>
+struct EnvironmentValue {
+  const char* name;
+  T value;
+};
 template <typename T, size_t N>
-T environment_choice(const char* name, T unset, const std::pair<const char*, T> (&choices)[N]) {
+T environment_choice(const char* name, T unset, const EnvironmentValue<T> (&choices)[N]) {
   const char* value = std::getenv(name);
   if (value == nullptr) return unset;
   std::string names;
   for (size_t i = 0; i < N; ++i) {
-    if (std::strcmp(value, choices[i].first) == 0) return choices[i].second;
-    names += (i == 0 ? "" : i + 1 == N ? " or " : ", ") + std::string(choices[i].first);
+    if (std::strcmp(value, choices[i].name) == 0) return choices[i].value;
+    names += (i == 0 ? "" : i + 1 == N ? " or " : ", ") + std::string(choices[i].name);
   }
   const std::string what = std::string(name) + " takes " + names;
   cuda_check_failed(("getenv(\"" + std::string(name) + "\")").c_str(), "environment", what.c_str(), __FILE__,
@@ -630,9 +635,12 @@ std::atomic<HopperDq>& backward_dq_value() {
 // The Hopper backward's order (MEMTUNE_FLASH_BACKWARD_ORDER: unset or "keys", "rising", "falling"),
 // read once.
 std::atomic<HopperOrder>& backward_order_value() {
-  static std::atomic<HopperOrder> order{environment_choice<HopperOrder>(
-      "MEMTUNE_FLASH_BACKWARD_ORDER", HopperOrder::keys_first,
-      {{"keys", HopperOrder::keys_first}, {"rising", HopperOrder::rows_rising}, {"falling", HopperOrder::rows_falling}})};
+  static std::atomic<HopperOrder> order{[] {
+    EnvironmentValue<HopperOrder> choices[std::size(kHopperOrderNames)];
+    for (size_t i = 0; i < std::size(kHopperOrderNames); ++i)
+      choices[i] = {kHopperOrderNames[i].name, kHopperOrderNames[i].order};
+    return environment_choice("MEMTUNE_FLASH_BACKWARD_ORDER", HopperOrder::keys_first, choices);
+  }()};
   return order;
 }
 
