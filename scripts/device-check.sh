@@ -469,17 +469,20 @@ if has_part attn-step; then
   A="$WORK/attn-step"; mkdir -p "$A"
   QLORA_FLASH="--load_in_4bit --bf16 --gradient_checkpointing --loss_implementation chunked --offload_embeddings"
   # One run a backward version: attn_step_runs NAME SUFFIX TIMEOUT TRAIN_ARGS...; the run of entry E
-  # is NAME-E-SUFFIX. An entry is a MEMTUNE_FLASH_BACKWARD value, or VALUE:ORDER with a
-  # MEMTUNE_FLASH_BACKWARD_ORDER.
+  # is NAME-E-SUFFIX. An entry is a MEMTUNE_FLASH_BACKWARD value (the default order), or
+  # VALUE:ORDER with a MEMTUNE_FLASH_BACKWARD_ORDER (keys, rising, falling).
   attn_step_runs() {
-    local name=$1 suffix=$2 limit=$3 entry backward order
+    local name=$1 suffix=$2 limit=$3 entry backward
     shift 3
     for entry in ${ATTN_STEP_BACKWARDS:-v2 hopper}; do
-      backward=${entry%%:*}; order=keys; [ "$entry" != "$backward" ] && order=${entry#*:}
+      backward=${entry%%:*}
+      unset MEMTUNE_FLASH_BACKWARD_ORDER  # an empty value would abort: unset is the default order
+      [ "$entry" != "$backward" ] && export MEMTUNE_FLASH_BACKWARD_ORDER=${entry#*:}
       # shellcheck disable=SC2086
-      MEMTUNE_FLASH_BACKWARD=$backward MEMTUNE_FLASH_BACKWARD_ORDER=$order \
+      MEMTUNE_FLASH_BACKWARD=$backward \
         timed_train "$A" "$name-${entry/:/-}$suffix" "$limit" $QLORA_FLASH --attn_implementation flash "$@"
     done
+    unset MEMTUNE_FLASH_BACKWARD_ORDER
   }
   for round in $(seq "${ATTN_STEP_ROUNDS:-2}"); do
     attn_step_runs c1 "-$round" 150 --batch 2 --accum 2 --seq 2048 --lora_r 16 --lora_alpha 16 --max_steps 6

@@ -197,8 +197,8 @@ case "$CALL" in
       check "$BIN_DIR" tests,attn-step
     ;;
   n)
-    # Issue 23: the Hopper backward's ways of adding dQ (MEMTUNE_FLASH_BACKWARD=hopper, hopper-dqtma:
-    # bulk reduce-adds; a 4-float way measured here was removed): its GPU tests (each way against the CPU,
+    # Issue 23: the Hopper backward's ways of adding dQ (MEMTUNE_FLASH_BACKWARD=hopper-pairs, and
+    # hopper in the keys_first order: bulk reduce-adds; a 4-float way measured here was removed): its GPU tests (each way against the CPU,
     # v2 and the others; the timing print with each), each in training steps (configuration 1 twice,
     # 1 x 32768, cuDNN beside), compute-sanitizer on the packed-row test (each way), then Nsight
     # Compute on the main pass and cuDNN's backward.
@@ -206,7 +206,7 @@ case "$CALL" in
     # tensor maps, the cuDNN sequence-table upload on packed rows, the attention pick's probe.
     GTEST_FILTER=${TEST_FILTER:-'CudaHopperBackwardTest.*:CudaHopperAttentionTest.*:CudnnRaggedTest.*:CudaAttentionPickTest.*'} \
       TEST_TIMEOUT=${TEST_TIMEOUT:-200} check "$BIN_DIR" tests
-    ATTN_STEP_BACKWARDS=${ATTN_STEP_BACKWARDS:-'hopper hopper-dqtma'} check "$BIN_DIR" attn-step
+    ATTN_STEP_BACKWARDS=${ATTN_STEP_BACKWARDS:-'hopper-pairs hopper:keys'} check "$BIN_DIR" attn-step
     SANITIZER_TIMEOUT=${SANITIZER_TIMEOUT:-120} SANITIZER_FILTER=${SANITIZER_FILTER:-'CudaHopperBackwardTest.PackedRowsMatchCpu'} \
       check "$BIN_DIR" sanitizer-tests
     check "$BIN_DIR" ncu-attn
@@ -218,7 +218,7 @@ case "$CALL" in
     # racecheck on the packed-row test (the bulk way at head_dim 64 had reported hazards).
     GTEST_FILTER=${TEST_FILTER:-'CudaHopperBackwardTest.*'} TEST_TIMEOUT=${TEST_TIMEOUT:-150} check "$BIN_DIR" tests
     ATTN_STEP_ROUNDS=1 ATTN_STEP_CUDNN=0 \
-      ATTN_STEP_BACKWARDS=${ATTN_STEP_BACKWARDS:-'hopper-dqtma:keys hopper-dqtma:rising hopper-dqtma:falling'} \
+      ATTN_STEP_BACKWARDS=${ATTN_STEP_BACKWARDS:-'hopper:keys hopper:rising hopper:falling'} \
       check "$BIN_DIR" attn-step
     SANITIZER_TOOLS=racecheck SANITIZER_TIMEOUT=${SANITIZER_TIMEOUT:-150} \
       SANITIZER_FILTER=${SANITIZER_FILTER:-'CudaHopperBackwardTest.PackedRowsMatchCpu'} check "$BIN_DIR" sanitizer-tests

@@ -371,7 +371,7 @@ TEST_F(CudaHopperBackwardTest, TimingPrintHopperBackward) {
                          Config{8, 2048, 32, 8, 64}}) {
     // NVTX ranges for Nsight Compute to pick kernels by (device-check's ncu-attn: --nvtx
     // --nvtx-include "hopper_bwd_b2_s8192_d128/"); no-ops without a tool attached. Flat, not nested:
-    // "hopper_bwd_<shape>" around the default backward's and cuDNN's timings, and
+    // "hopper_bwd_<shape>" around the 2-float reductions' (keys_first) and cuDNN's timings, and
     // "hopper_bwd_<shape>_<dq way>_<order>" around each other variant's.
     const std::string range = "hopper_bwd_b" + std::to_string(c.batch) + "_s" + std::to_string(c.seq) + "_d" +
                               std::to_string(c.head_dim);
@@ -453,8 +453,8 @@ TEST_F(CudaHopperBackwardTest, TimingPrintHopperBackward) {
     const double flops = 2.5 * 4.0 * pairs * c.head_dim;
     auto tflops = [&](double ms) { return flops / (ms * 1e-3) / 1e12; };
     std::printf("TIMING attention backward %s causal (median of 7):\n", label(c, DType::bf16).c_str());
-    std::printf("  hopper (wgmma+TMA)    %8.3f ms %7.1f TFLOP/s\n", hopper, tflops(hopper));
-    std::printf("  hopper main pass only %8.3f ms %7.1f TFLOP/s\n", main_pass, tflops(main_pass));
+    std::printf("  hopper, 2-float reductions, key blocks first %8.3f ms %7.1f TFLOP/s\n", hopper, tflops(hopper));
+    std::printf("  the same, main pass only                     %8.3f ms %7.1f TFLOP/s\n", main_pass, tflops(main_pass));
     for (int i = 0; i < kOrderRuns; ++i) {
       const std::string group_size = run_order[i] == cuda::HopperOrder::keys_first ? ""
                                      : run_row_group[i] > 0 ? std::to_string(run_row_group[i]) + " rows a group"
@@ -492,19 +492,25 @@ TEST(FlashVersionsEnvironment, BackwardValuesSetTheVersionsAndAnUnknownOneAborts
   EXPECT_EXIT(
       {
         ::unsetenv("MEMTUNE_FLASH_BACKWARD");
-        std::exit(exit_code(true, cuda::HopperDq::pairs));
+        std::exit(exit_code(true, cuda::HopperDq::bulk));
+      },
+      ::testing::ExitedWithCode(0), "");
+  EXPECT_EXIT(
+      {
+        ::setenv("MEMTUNE_FLASH_BACKWARD", "hopper", 1);
+        std::exit(exit_code(true, cuda::HopperDq::bulk));
       },
       ::testing::ExitedWithCode(0), "");
   EXPECT_EXIT(
       {
         ::setenv("MEMTUNE_FLASH_BACKWARD", "v2", 1);
-        std::exit(exit_code(false, cuda::HopperDq::pairs));
+        std::exit(exit_code(false, cuda::HopperDq::bulk));
       },
       ::testing::ExitedWithCode(0), "");
   EXPECT_EXIT(
       {
-        ::setenv("MEMTUNE_FLASH_BACKWARD", "hopper-dqtma", 1);
-        std::exit(exit_code(true, cuda::HopperDq::bulk));
+        ::setenv("MEMTUNE_FLASH_BACKWARD", "hopper-pairs", 1);
+        std::exit(exit_code(true, cuda::HopperDq::pairs));
       },
       ::testing::ExitedWithCode(0), "");
   EXPECT_DEATH(
@@ -512,7 +518,7 @@ TEST(FlashVersionsEnvironment, BackwardValuesSetTheVersionsAndAnUnknownOneAborts
         ::setenv("MEMTUNE_FLASH_BACKWARD", "hopper-fast", 1);
         (void)cuda::flash_versions();
       },
-      "MEMTUNE_FLASH_BACKWARD takes v2, hopper or hopper-dqtma");
+      "MEMTUNE_FLASH_BACKWARD takes v2, hopper or hopper-pairs");
 }
 
 // MEMTUNE_FLASH_BACKWARD_ORDER, likewise: keys (or unset), rising, falling; anything else aborts.
@@ -522,7 +528,7 @@ TEST(FlashVersionsEnvironment, BackwardOrderValuesSetTheOrderAndAnUnknownOneAbor
   EXPECT_EXIT(
       {
         ::unsetenv("MEMTUNE_FLASH_BACKWARD_ORDER");
-        std::exit(exit_code(cuda::HopperOrder::keys_first));
+        std::exit(exit_code(cuda::HopperOrder::rows_falling));
       },
       ::testing::ExitedWithCode(0), "");
   for (const auto& [value, order] : {std::pair{"keys", cuda::HopperOrder::keys_first},

@@ -11,7 +11,7 @@ namespace memtune::cuda {
 //         head_dim 128);
 //  bulk   the warpgroup's 64 x 64 tile through shared memory, added by the copy engine
 //         (cp.reduce.async.bulk.tensor), two 128-byte-wide boxes an item: 1.11-1.37x pairs' backward
-//         alone on an H100 (bench/results/2026-12-07-h100-session5).
+//         alone on an H100 (bench/results/2026-12-07-h100-session5); the default.
 // A third way, red.global.add.v4.f32 after a lane-pair exchange (half as many reductions), measured
 // 0.94-1.02x pairs there and was removed.
 enum class HopperDq { pairs, bulk };
@@ -29,8 +29,8 @@ enum class HopperDq { pairs, bulk };
 // blocks slowest within a group: one row a group would leave a row's longest block to start last
 // (a tail of 12-15% of the launch at b8 s2048 and b2 s8192, bench/backward_schedule.py); groups of
 // at least two waves of blocks each, the rows shared evenly, keep the tail under ~3% there.
-// The rows_* orders are built with dQ by bulk reduce-adds only: they run it whatever
-// backward_hopper_dq says.
+// The rows_* orders are built with dQ by bulk reduce-adds only, and the 2-float reductions with
+// keys_first only: FlashVersions::backward_hopper_dq = pairs runs keys_first.
 enum class HopperOrder { keys_first, rows_rising, rows_falling };
 // Each order's short name: MEMTUNE_FLASH_BACKWARD_ORDER's values and the tests' NVTX ranges.
 struct HopperOrderName {
@@ -54,14 +54,19 @@ struct FlashVersions {
                                         // it serves the call, else backward v2's; false: v2 always.
                                         // 1.06-1.68x backward v2 on an H100 (bench/NOTES.md).
                                         // MEMTUNE_FLASH_BACKWARD=v2 sets the start value false
-  HopperDq backward_hopper_dq = HopperDq::pairs;  // how the Hopper backward adds dQ into its
-                                                   // fp32 accumulator (HopperDq); bulk is faster
-                                                   // but waits for racecheck on head_dim 64 (NOTES).
-                                                   // MEMTUNE_FLASH_BACKWARD=hopper-dqtma sets it
-  HopperOrder backward_hopper_order = HopperOrder::keys_first;  // the Hopper backward's block and
-                                                               // item order (HopperOrder);
-                                                               // MEMTUNE_FLASH_BACKWARD_ORDER=keys,
-                                                               // rising or falling sets the start value
+  HopperDq backward_hopper_dq = HopperDq::bulk;  // how the Hopper backward adds dQ into its
+                                                  // fp32 accumulator (HopperDq); pairs run in the
+                                                  // keys_first order whatever backward_hopper_order
+                                                  // says (the only order built for them).
+                                                  // MEMTUNE_FLASH_BACKWARD=hopper-pairs sets pairs
+  HopperOrder backward_hopper_order = HopperOrder::rows_falling;  // the Hopper backward's block and
+                                                                 // item order (HopperOrder): with
+                                                                 // bulk, 1.20x / 0.99x / 1.03x /
+                                                                 // 1.09x keys_first's backward at
+                                                                 // b8 s2048 / b2 s8192 / b1 s32768 /
+                                                                 // d64 on an H100 (bench/NOTES.md);
+                                                                 // MEMTUNE_FLASH_BACKWARD_ORDER=keys,
+                                                                 // rising or falling sets the start value
   int backward_hopper_row_group = 0;  // rows a group in the rows_* orders; 0: as many groups as
                                       // hold two waves of blocks each, the rows shared evenly
   int forward_keys = 0;                 // keys per block: 32 or 64 (where shared memory allows),

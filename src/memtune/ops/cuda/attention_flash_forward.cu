@@ -608,16 +608,17 @@ std::atomic<bool>& forward_hopper_flag() {
   return flag;
 }
 
-// MEMTUNE_FLASH_BACKWARD, read once: unset or "hopper" (the Hopper backward, dQ by 2-float
-// reductions), "hopper-dqtma" (bulk reduce-adds of shared-memory tiles) or "v2" (backward v2).
+// MEMTUNE_FLASH_BACKWARD, read once: unset or "hopper" (the Hopper backward, dQ by bulk
+// reduce-adds of shared-memory tiles), "hopper-pairs" (dQ by 2-float reductions, in the keys_first
+// order) or "v2" (backward v2).
 struct BackwardChoice {
   bool hopper = true;
-  HopperDq dq = HopperDq::pairs;
+  HopperDq dq = FlashVersions{}.backward_hopper_dq;
 };
 const BackwardChoice& backward_environment() {
   static const BackwardChoice choice = environment_choice<BackwardChoice>(
       "MEMTUNE_FLASH_BACKWARD", BackwardChoice{},
-      {{"v2", {false, HopperDq::pairs}}, {"hopper", {}}, {"hopper-dqtma", {true, HopperDq::bulk}}});
+      {{"v2", {false, FlashVersions{}.backward_hopper_dq}}, {"hopper", {}}, {"hopper-pairs", {true, HopperDq::pairs}}});
   return choice;
 }
 
@@ -632,14 +633,14 @@ std::atomic<HopperDq>& backward_dq_value() {
   return mode;
 }
 
-// The Hopper backward's order (MEMTUNE_FLASH_BACKWARD_ORDER: unset or "keys", "rising", "falling"),
-// read once.
+// The Hopper backward's order (MEMTUNE_FLASH_BACKWARD_ORDER: "keys", "rising", "falling"; unset,
+// FlashVersions' default), read once.
 std::atomic<HopperOrder>& backward_order_value() {
   static std::atomic<HopperOrder> order{[] {
     EnvironmentValue<HopperOrder> choices[std::size(kHopperOrderNames)];
     for (size_t i = 0; i < std::size(kHopperOrderNames); ++i)
       choices[i] = {kHopperOrderNames[i].name, kHopperOrderNames[i].order};
-    return environment_choice("MEMTUNE_FLASH_BACKWARD_ORDER", HopperOrder::keys_first, choices);
+    return environment_choice("MEMTUNE_FLASH_BACKWARD_ORDER", FlashVersions{}.backward_hopper_order, choices);
   }()};
   return order;
 }

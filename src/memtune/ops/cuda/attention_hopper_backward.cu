@@ -601,11 +601,11 @@ bool launch_flash_backward_hopper(const AttentionParams& p, const FlashTensors& 
     return bf16 ? launch_backward<128, true, kDq, kRows>(p, t, order, row_group, stream)
                 : launch_backward<128, false, kDq, kRows>(p, t, order, row_group, stream);
   };
-  // The rows_* orders are built with the bulk way of adding dQ only (HopperOrder).
-  if (order != HopperOrder::keys_first)
-    return launch(std::integral_constant<int, kDqBulk>{}, std::true_type{});
-  if (dq == HopperDq::bulk) return launch(std::integral_constant<int, kDqBulk>{}, std::false_type{});
-  return launch(std::integral_constant<int, kDqPairs>{}, std::false_type{});
+  // The 2-float reductions are built in the keys_first order only, the rows_* orders with the bulk
+  // way only (HopperOrder).
+  if (dq == HopperDq::pairs) return launch(std::integral_constant<int, kDqPairs>{}, std::false_type{});
+  if (order == HopperOrder::keys_first) return launch(std::integral_constant<int, kDqBulk>{}, std::false_type{});
+  return launch(std::integral_constant<int, kDqBulk>{}, std::true_type{});
 }
 
 }  // namespace memtune::cuda
