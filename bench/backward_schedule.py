@@ -7,7 +7,7 @@ frees first, in launch order, one at a time (one block an SM, as __launch_bounds
 it), each item taking the same time and each block a fixed start cost. The ratio printed is the
 last block's end over the perfectly balanced time: the tail that the order alone costs.
 
-    python3 bench/backward_schedule.py [--sms 132] [--start-items 2]
+    python3 bench/backward_schedule.py [--sms 132] [--start-items 2] [--rows-a-group 2 4 8]
 """
 import argparse
 import heapq
@@ -25,7 +25,7 @@ def block_items(seq, group):
     return [group * ((seq - 128 * kb + 63) // 64) for kb in range(key_blocks)]
 
 
-def orders(batch, seq, kv_heads, group, sms):
+def orders(batch, seq, kv_heads, group, sms, extra_groups=()):
     items = block_items(seq, group)
     key_blocks, rows = len(items), batch * kv_heads
     # The kernel's default group size (launch_backward in attention_hopper_backward.cu): as many
@@ -41,21 +41,27 @@ def orders(batch, seq, kv_heads, group, sms):
             out += [items[kb] for kb in range(key_blocks) for _ in range(here)]
         return out
 
-    return {
+    counted = {
         "keys_first": grouped(rows),
         "rows, one a group": grouped(1),
         f"rows, {default_rows} a group (default)": grouped(default_rows),
     }
+    for group_rows in extra_groups:
+        if 1 < group_rows <= rows and group_rows != default_rows:
+            counted[f"rows, {group_rows} a group"] = grouped(group_rows)
+    return counted
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sms", type=int, default=132, help="multiprocessors (H100 SXM: 132)")
     parser.add_argument("--start-items", type=float, default=2.0, help="a block's start cost, in items")
+    parser.add_argument("--rows-a-group", type=int, nargs="*", default=[],
+                        help="also count the rows orders with these group sizes (the timing print's 2, 4, 8)")
     args = parser.parse_args()
     print(f"{args.sms} SMs, a block's start = {args.start_items} items; 32 query / 8 kv heads")
     for batch, seq in [(8, 2048), (2, 8192), (1, 32768)]:
-        for name, blocks in orders(batch, seq, 8, 4, args.sms).items():
+        for name, blocks in orders(batch, seq, 8, 4, args.sms, args.rows_a_group).items():
             durations = [d + args.start_items for d in blocks]
             ideal = sum(durations) / args.sms
             print(f"  b{batch} s{seq:<6} {name:<28} {drain(durations, args.sms) / ideal:.3f} x balanced")
