@@ -26,9 +26,10 @@ enum class HopperDq { pairs, bulk };
 //  rows_falling  as rows_rising, query blocks falling from the row's last: a row's blocks that
 //                start together add into the same query tile at once.
 // In the rows_* orders the rows go in groups (FlashVersions::backward_hopper_row_group), key
-// blocks slowest within a group: one row a group would leave a row's longest block to start last
-// (a tail of 12-15% of the launch at b8 s2048 and b2 s8192, bench/backward_schedule.py); groups of
-// at least two waves of blocks each, the rows shared evenly, keep the tail under ~3% there.
+// blocks slowest within a group. The default size (groups of at least two waves of blocks each,
+// the rows shared evenly) was chosen from a count of the launch's tail (bench/backward_schedule.py:
+// 12-15% for one row a group at b8 s2048 and b2 s8192); the H100 did not show those tails, but no
+// other size measured faster at any shape, so it stays (bench/NOTES.md, 2026-12-07).
 // The rows_* orders are built with dQ by bulk reduce-adds only, and the 2-float reductions with
 // keys_first only: FlashVersions::backward_hopper_dq = pairs runs keys_first.
 enum class HopperOrder { keys_first, rows_rising, rows_falling };
