@@ -29,12 +29,13 @@
 //    publishes this block's dS^T (and the next stage's lse/D) and tells thread 0 that the other
 //    stage is free.
 //  - How dQ is added (kDq; FlashVersions::backward_hopper_dq, HopperDq in attention_flash.h):
-//    2-float red.add from each thread's accumulator pairs, or the warpgroup's 64 x 64 f32 tile
-//    written to shared memory (128-byte swizzle, two 32-column boxes) and added by the copy engine
-//    (cp.reduce.async.bulk.tensor), issued by one thread of the warpgroup, whose next item waits
-//    only for the copy's reads.
+//    2-float red.add from each thread's accumulator pairs, or (the default) the warpgroup's 64 x 64
+//    f32 tile written to shared memory (128-byte swizzle, two 32-column boxes) and added by the
+//    copy engine (cp.reduce.async.bulk.tensor), issued by one thread of the warpgroup, whose next
+//    item waits only for the copy's reads.
 //  - The order of blocks and items (kRows; HopperOrder in attention_flash.h): key blocks slowest
-//    (keys_first), or rows slowest with a block's items query block by query block (rows_*).
+//    (keys_first), or rows slowest with a block's items query block by query block (rows_*; the
+//    default is rows_falling).
 // Not done yet (FA3's later steps): a producer warp with setmaxnreg, overlap of one query block's
 // softmax with the next block's GEMMs (every wgmma group is waited for before its results are
 // used), dQ's bulk reduce-adds issued from a separate warp, deterministic dQ, and 2 blocks an SM
