@@ -198,10 +198,10 @@ case "$CALL" in
     ;;
   n)
     # Issue 23: the Hopper backward's ways of adding dQ (MEMTUNE_FLASH_BACKWARD=hopper-pairs, and
-    # hopper in the keys_first order: bulk reduce-adds; a 4-float way measured here was removed): its GPU tests (each way against the CPU,
-    # v2 and the others; the timing print with each), each in training steps (configuration 1 twice,
-    # 1 x 32768, cuDNN beside), compute-sanitizer on the packed-row test (each way), then Nsight
-    # Compute on the main pass and cuDNN's backward.
+    # hopper in the keys_first order: bulk reduce-adds; a 4-float way measured here was removed):
+    # its GPU tests (each way against the CPU, v2 and the others; the timing print with each), each
+    # in training steps (configuration 1 twice, 1 x 32768, cuDNN beside), compute-sanitizer on the
+    # packed-row test (each way), then Nsight Compute on the main pass and cuDNN's backward.
     # With them the tests of what 43712a6 and 226dff5 reshaped without a GPU: the Hopper forward's
     # tensor maps, the cuDNN sequence-table upload on packed rows, the attention pick's probe.
     GTEST_FILTER=${TEST_FILTER:-'CudaHopperBackwardTest.*:CudaHopperAttentionTest.*:CudnnRaggedTest.*:CudaAttentionPickTest.*'} \

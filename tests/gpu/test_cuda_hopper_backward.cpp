@@ -40,7 +40,9 @@ using hopper::label;
 using hopper::relative_error;
 using hopper::segment_ids;
 
-// The current flash versions with the Hopper backward turned on or off, and how it adds dQ.
+// The current flash versions with the Hopper backward turned on or off, and how it adds dQ. Its
+// defaults are the tests' reference way (2-float reductions, keys_first), not FlashVersions' default
+// (bulk, rows_falling): the other ways are compared against it.
 cuda::FlashVersions versions_with_hopper_backward(bool on, cuda::HopperDq dq = cuda::HopperDq::pairs,
                                                   cuda::HopperOrder order = cuda::HopperOrder::keys_first,
                                                   int row_group = 0) {
