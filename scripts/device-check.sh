@@ -399,6 +399,8 @@ timed_train() {
 #                          A/B of 2026-12-06); data-unpacked runs with it off
 #   qlora-offload-opt, lora16-offload-opt, data-merged-opt  the same with --offload_optimizer too
 #                          (AdamW's moments in pinned host memory): the leanest run of each
+#   lora16-stream6, lora16-stream8  lora16-offload-opt with 6 or 8 of the 32 frozen layers streamed
+#                          from pinned host memory (--stream_layers), configuration 3's memory target
 if has_part configs; then
   stamp configs
   C="$WORK/configs"; mkdir -p "$C"
@@ -415,6 +417,8 @@ if has_part configs; then
                  "data-merged|$QLORA $SHAPE2 --merge_micro_batches true" \
                  "qlora-offload-opt|$QLORA --offload_activations --offload_optimizer $SHAPE1" \
                  "lora16-offload-opt|$LORA16 --offload_activations --offload_optimizer $SHAPE1" \
+                 "lora16-stream6|$LORA16 --offload_activations --offload_optimizer --stream_layers 6 $SHAPE1" \
+                 "lora16-stream8|$LORA16 --offload_activations --offload_optimizer --stream_layers 8 $SHAPE1" \
                  "data-merged-opt|$QLORA $SHAPE2 --merge_micro_batches true --offload_optimizer" \
                  "qlora-unstacked|$QLORA $SHAPE1 --stacked_lora false --profile" \
                  "lora16-unstacked|$LORA16 $SHAPE1 --stacked_lora false --profile"; do

@@ -186,3 +186,39 @@ TEST(CliOffload, TheLadderOffloadsTheCheckpointingRungsOnly) {
 }
 
 }  // namespace
+
+// --stream_layers: the streamed layers are host memory in the plan (their own JSON key and text
+// line), the device saving is (streamed - 2) layers, and fit streams the fewest layers that fit as
+// its last resort: Llama 3.1 70B in 4 bits does not fit 24 GiB whole, and does with some layers
+// in host memory; one layer fewer does not.
+TEST(CliStreamLayers, ThePlanAndFitStreamLayersFromHostMemory) {
+  const std::string lora16 = "--model llama-3.1-8b --bf16 --gradient_checkpointing --attn_implementation flash "
+                             "--loss_implementation chunked --batch 2 --seq 2048";
+  const nlohmann::json resident = plan_json_of(lora16);
+  const nlohmann::json streamed = plan_json_of(lora16 + " --stream_layers 6");
+  // A Llama 3.1 8B layer in bf16: q, o 4096 x 4096; k, v 1024 x 4096; gate, up, down 14336 x 4096;
+  // two norms of 4096.
+  const uint64_t layer = (2ull * 4096 * 4096 + 2ull * 1024 * 4096 + 3ull * 14336 * 4096 + 2 * 4096) * 2;
+  EXPECT_EQ(streamed["host_categories"]["streamed_layers"].get<uint64_t>(), 6 * layer);
+  EXPECT_EQ(streamed["run"]["stream_layers"], 6);
+  EXPECT_EQ(resident["peak_bytes"].get<uint64_t>() - streamed["peak_bytes"].get<uint64_t>(), 4 * layer);
+  const Result too_many = run_memtune("plan " + lora16 + " --stream_layers 32");
+  EXPECT_NE(too_many.exit_code, 0);
+  EXPECT_NE(too_many.output.find("--stream_layers 32 of 32 decoder layers"), std::string::npos) << too_many.output;
+
+  const Result fit = run_memtune("fit --model llama-3.1-70b --seq 2048 --vram 24GiB --json");
+  ASSERT_EQ(fit.exit_code, 0) << fit.output;
+  const nlohmann::json fitted = nlohmann::json::parse(fit.output);
+  const int64_t layers = fitted["plan"]["run"]["stream_layers"].get<int64_t>();
+  ASSERT_GT(layers, 2) << fit.output;
+  EXPECT_LT(layers, 80);
+  EXPECT_LE(fitted["with_context_bytes"].get<uint64_t>(), fitted["budget_bytes"].get<uint64_t>());
+  const std::string options = fitted["options"].get<std::string>();
+  EXPECT_NE(options.find(fmt::format("--stream_layers {}", layers)), std::string::npos) << options;
+  // One layer fewer: over the budget (the plan of the same options, checked by plan --vram).
+  std::string fewer = options;
+  fewer.replace(fewer.find(fmt::format("--stream_layers {}", layers)), fmt::format("--stream_layers {}", layers).size(),
+                fmt::format("--stream_layers {}", layers - 1));
+  EXPECT_NE(run_memtune("plan --model llama-3.1-70b --seq 2048 --vram 24GiB " + fewer).exit_code, 0);
+  EXPECT_EQ(run_memtune("plan --model llama-3.1-70b --seq 2048 --vram 24GiB " + options).exit_code, 0);
+}

@@ -439,5 +439,36 @@ TEST_F(CudaStepTest, OffloadedOptimizerStepsAreTheDeviceOptimizerSteps) {
   }
 }
 
+// Frozen layers streamed from pinned host memory (--stream_layers): each visit's layer copied on
+// the copy stream into one of two device buffers, beside the activation offload's copies on the
+// same stream. The same kernels read the same bytes, so the same bits (eager attention: no
+// atomics); a copy that a kernel did not wait for, or one that overwrote a buffer still read,
+// shows as another loss or gradient.
+TEST_F(CudaStepTest, StreamedLayersStepsAreTheResidentSteps) {
+  LlamaConfig model = small_model();
+  model.num_hidden_layers = 6;
+  model.tie_word_embeddings = false;
+  for (const bool qlora : {false, true})
+    for (const bool offload : {false, true}) {
+      SCOPED_TRACE(std::string(qlora ? "QLoRA" : "16-bit LoRA") + (offload ? ", activations offloaded" : ""));
+      RunConfig run = small_run();
+      run.precision = Precision::bf16;
+      run.attn_implementation = "eager";
+      run.gradient_checkpointing = true;
+      run.offload_activations = offload;
+      run.load_in_4bit = qlora;
+      const StepOutcome resident = two_steps(gpu(), run, model);
+      for (const int64_t streamed : {int64_t{2}, int64_t{5}}) {
+        SCOPED_TRACE(std::to_string(streamed) + " of 6 layers streamed");
+        run.stream_layers = streamed;
+        const StepOutcome got = two_steps(gpu(), run, model);
+        EXPECT_EQ(got.losses, resident.losses);
+        EXPECT_EQ(got.grads, resident.grads);
+        EXPECT_EQ(got.lora_weights, resident.lora_weights);
+      }
+      run.stream_layers = 0;
+    }
+}
+
 }  // namespace
 }  // namespace memtune::gputest

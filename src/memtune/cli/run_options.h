@@ -26,6 +26,7 @@ inline void add_run_options(CLI::App& app, RunConfig& run, RunFlags& flags) {
   app.add_option("--mlp_chunk_tokens", run.mlp_chunk_tokens, "tokens per chunk of a layer's row-wise parts (norms, projections, LoRA, MLP) where its activations are not saved (checkpointing, eval); 0 = no chunking")->capture_default_str();
   app.add_flag("--offload_activations,--offload-activations", run.offload_activations, "offload the checkpointed layer inputs to pinned host memory, overlapped with compute (needs --gradient_checkpointing)");
   app.add_flag("--offload_optimizer,--offload-optimizer", run.offload_optimizer, "keep AdamW's moments in pinned host memory; the GPU updates them there over PCIe once a step (8 bytes a trainable parameter less on the device)");
+  app.add_option("--stream_layers,--stream-layers", run.stream_layers, "keep this many frozen decoder layers in pinned host memory and copy each to the GPU just before its use (one device; the same numbers; ~2 layers' worth of buffers stay on the device)");
   app.add_flag("--offload_embeddings,--offload-embeddings", run.offload_embeddings, "keep the input embedding table in pinned host memory; the GPU reads its rows over PCIe (untied embeddings only)");
   app.add_option("--ddp_bucket_cap_mb", run.ddp_bucket_cap_mb, "several GPUs: the cap of one gradient all-reduce bucket in MiB")->capture_default_str();
   app.add_option("--per_device_train_batch_size,--batch", run.per_device_train_batch_size, "micro-batch size")->capture_default_str();

@@ -108,6 +108,7 @@ std::vector<std::string> techniques_of(const RunConfig& r) {
   // Host memory that the device peak leaves out: say so where a reader compares the peaks.
   if (r.offload_embeddings) techniques.push_back("host-embeddings");
   if (r.offload_optimizer) techniques.push_back("host-optimizer");
+  if (r.stream_layers > 0) techniques.push_back(fmt::format("host-layers {}", r.stream_layers));
   return techniques;
 }
 

@@ -122,6 +122,28 @@ ShardedBaseLayout sharded_base_layout(const std::vector<AllocationRecord>& recor
   return layout;
 }
 
+std::vector<int> streamed_layer_choice(int layers, int count) {
+  MT_USER_CHECK(count >= 0 && count < layers, "--stream_layers {} of {} decoder layers: expected 0 to {} (one layer "
+                "at least stays on the device)", count, layers, layers - 1);
+  std::vector<int> chosen;
+  for (int i = 0; i < count; ++i)
+    chosen.push_back(static_cast<int>((2 * static_cast<int64_t>(i) + 1) * layers / (2 * static_cast<int64_t>(count))));
+  return chosen;
+}
+
+ShardedBaseLayout streamed_base_layout(const std::vector<AllocationRecord>& records, const std::vector<int>& layers) {
+  ShardedBaseLayout layout = sharded_base_layout(records, /*world_size=*/1);
+  layout.from_host = true;
+  size_t found = 0;
+  for (BaseUnit& unit : layout.units) {
+    const bool streamed = unit.layer >= 0 && std::find(layers.begin(), layers.end(), unit.layer) != layers.end();
+    if (streamed) ++found;
+    else keep_whole(unit);
+  }
+  MT_ASSERT(found == layers.size(), "{} of the {} streamed layers are in the base's records", found, layers.size());
+  return layout;
+}
+
 std::vector<int> gathered_unit_visits(const ShardedBaseLayout& layout, bool with_backward) {
   std::vector<int> visits;
   const int n = static_cast<int>(layout.units.size());
@@ -189,22 +211,47 @@ std::string check_gather_schedule(const std::vector<GatherEvent>& events, const 
   return {};
 }
 
-ShardedBase::ShardedBase(Backend& backend, Memory& memory, const ShardedBaseLayout& layout, Communicator& comm,
-                         CommStream stream)
-    : backend_(backend), layout_(layout), comm_(comm), stream_(stream) {
-  MT_USER_CHECK(layout.world_size == comm.world_size(), "a base sharded for {} ranks on a communicator of {} ranks",
-                layout.world_size, comm.world_size());
-  for (const BaseUnit& unit : layout_.units)
-    shards_.push_back(memory.alloc(fmt::format("{}.{}", unit.replicated ? kWholeRecordPrefix : kShardRecordPrefix,
-                                               unit.name),
-                                   MemCategory::frozen_weights, DType::u8,
-                                   Shape{static_cast<int64_t>(unit.bytes_per_rank())}));
+void ShardedBase::allocate(Memory& memory) {
+  for (const BaseUnit& unit : layout_.units) {
+    const bool on_host = layout_.from_host && !unit.replicated;
+    const std::string name = fmt::format(
+        "{}.{}", unit.replicated ? kWholeRecordPrefix : on_host ? kHostRecordPrefix : kShardRecordPrefix, unit.name);
+    const Shape shape{static_cast<int64_t>(unit.bytes_per_rank())};
+    if (on_host) {
+      host_owners_.emplace_back();
+      shards_.push_back(allocate_host_tensor(backend_, memory, name, DType::u8, shape, host_owners_.back()));
+    } else {
+      shards_.push_back(memory.alloc(name, MemCategory::frozen_weights, DType::u8, shape));
+    }
+  }
   const uint64_t buffer_bytes = layout_.gather_buffer_bytes();
-  for (CommEvent& event : gathered_) event = comm_.create_event();
   if (buffer_bytes > 0)
     for (int b = 0; b < ShardedBaseLayout::kGatherBuffers; ++b)
       gather_[b] = memory.alloc(fmt::format("{}.{}", kGatherRecordPrefix, b), MemCategory::frozen_weights, DType::u8,
                                 Shape{static_cast<int64_t>(buffer_bytes)});
+}
+
+ShardedBase::ShardedBase(Backend& backend, Memory& memory, const ShardedBaseLayout& layout, Communicator& comm,
+                         CommStream stream)
+    : backend_(backend), layout_(layout), comm_(&comm), stream_(stream) {
+  MT_USER_CHECK(layout.world_size == comm.world_size(), "a base sharded for {} ranks on a communicator of {} ranks",
+                layout.world_size, comm.world_size());
+  MT_ASSERT(!layout.from_host, "a streamed layout given to the sharded base of a communicator");
+  allocate(memory);
+  for (CommEvent& event : gathered_) event = comm.create_event();
+}
+
+ShardedBase::ShardedBase(Backend& backend, Memory& memory, const ShardedBaseLayout& layout)
+    : backend_(backend), layout_(layout) {
+  MT_ASSERT(layout.from_host && layout.world_size == 1, "a sharded layout of {} ranks without a communicator",
+            layout.world_size);
+  allocate(memory);
+  for (CopyEvent& event : copied_) event = backend.create_event();
+}
+
+ShardedBase::~ShardedBase() {
+  if (comm_ == nullptr)
+    for (CopyEvent event : copied_) backend_.destroy_event(event);
 }
 
 ShardedBase::ShardedBase(Backend& backend, Memory& memory, const ShardedBaseLayout& layout, const Memory& source,
@@ -238,11 +285,15 @@ Tensor ShardedBase::unit_bytes(int unit, int buffer) const {
 void ShardedBase::keep_shard_of(int unit, int buffer) {
   const BaseUnit& u = layout_.units[static_cast<size_t>(unit)];
   if (u.replicated || backend_.device() == Device::meta) return;
+  const Tensor& shard = shards_[static_cast<size_t>(unit)];
+  // A streamed unit: the whole unit, into its host bytes.
+  if (comm_ == nullptr)
+    return backend_.copy_to_host(shard.data, flat_range(gather_[buffer], 0, static_cast<int64_t>(u.shard_bytes)));
   // Load time only: through the host, as the backend has no device-to-device copy.
   std::vector<uint8_t> host(u.shard_bytes);
-  backend_.copy_to_host(host.data(), flat_range(gather_[buffer], static_cast<int64_t>(comm_.rank() * u.shard_bytes),
+  backend_.copy_to_host(host.data(), flat_range(gather_[buffer], static_cast<int64_t>(comm_->rank() * u.shard_bytes),
                                                 static_cast<int64_t>(u.shard_bytes)));
-  backend_.copy_from_host(shards_[static_cast<size_t>(unit)], host.data());
+  backend_.copy_from_host(shard, host.data());
 }
 
 void ShardedBase::gather(int unit, int buffer) {
@@ -250,10 +301,18 @@ void ShardedBase::gather(int unit, int buffer) {
             buffer < ShardedBaseLayout::kGatherBuffers, "gather of unit {} into buffer {}", unit, buffer);
   const BaseUnit& u = layout_.units[static_cast<size_t>(unit)];
   MT_ASSERT(!u.replicated, "{} is replicated: nothing to gather", u.name);
-  comm_.after_compute(stream_);
-  comm_.all_gather(shards_[static_cast<size_t>(unit)],
-                   flat_range(gather_[buffer], 0, static_cast<int64_t>(u.bytes)), stream_);
-  comm_.record(gathered_[buffer], stream_);
+  const Tensor into = flat_range(gather_[buffer], 0, static_cast<int64_t>(u.bytes));
+  // From the host: the copy stream starts after the kernels issued so far (the buffer's last
+  // reader among them), as the all-gather's side stream does.
+  if (comm_ == nullptr) return backend_.copy_from_host_async(into, shards_[static_cast<size_t>(unit)].data, copied_[buffer]);
+  comm_->after_compute(stream_);
+  comm_->all_gather(shards_[static_cast<size_t>(unit)], into, stream_);
+  comm_->record(gathered_[buffer], stream_);
+}
+
+void ShardedBase::compute_waits_for(int buffer) {
+  if (comm_ == nullptr) return backend_.compute_wait(copied_[buffer]);
+  comm_->compute_waits(gathered_[buffer]);
 }
 
 Tensor ShardedBase::piece(int unit, int buffer, size_t piece) const {

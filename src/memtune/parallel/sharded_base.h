@@ -12,6 +12,12 @@
 // The layout is made from the plan's own records (plan by running): every persistent buffer of
 // category frozen_weights or quant_constants, grouped by its name's unit.
 //
+// The same machinery streams frozen layers on one device (run.stream_layers, a layout made by
+// streamed_base_layout): there the "shard" of a gathered unit is the whole unit, kept in pinned
+// host memory, and a gather is a host-to-device copy on the backend's copy stream into one of
+// the two buffers. Every other unit is kept whole on the device (replicated). The step reads the
+// same bytes through the same ShardedBaseWeights, so the numbers are those of the resident base.
+//
 // ShardedBase (below) holds a rank's shards and does the gathers; ShardedBaseWeights is what the
 // step reads through (step/frozen_base.h): at each unit's acquire it waits for that unit's
 // gather, issues the next visit's gather into the other buffer, and points the unit's
@@ -21,6 +27,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -54,6 +61,9 @@ struct BaseUnit {
 
 struct ShardedBaseLayout {
   int world_size = 1;
+  // One device streaming some layers (streamed_base_layout): the gathered units lie whole in
+  // pinned host memory and a gather is a host-to-device copy.
+  bool from_host = false;
   std::vector<BaseUnit> units;  // in forward order: embed_tokens, layers.0, ..., head
   uint64_t unsharded_bytes = 0;  // the records' bytes as one device holds them
   uint64_t unsharded_arena_bytes = 0;  // the same, each 256-byte aligned as the arena places it
@@ -75,6 +85,16 @@ struct ShardedBaseLayout {
 // visit needs the table beside its own unit, and the other gather buffer holds the prefetch then.
 ShardedBaseLayout sharded_base_layout(const std::vector<AllocationRecord>& records, int world_size,
                                       bool replicate_when_cheaper = false);
+
+// One device (run.stream_layers): `count` of the model's `layers` decoder layers streamed from
+// pinned host memory, spread evenly (layer (2i + 1) * layers / (2 count) for i < count), so that
+// each copy has the resident layers between two streamed ones to hide behind. Throws
+// memtune::Error unless 0 <= count < layers (at least one layer stays resident: a run that needs
+// every layer streamed is better served by a smaller model or 4 bits).
+std::vector<int> streamed_layer_choice(int layers, int count);
+// The layout of a streamed base: every unit of `records` (as sharded_base_layout with one rank)
+// kept whole on the device except the layers listed, which are gathered from the host.
+ShardedBaseLayout streamed_base_layout(const std::vector<AllocationRecord>& records, const std::vector<int>& layers);
 
 // The order in which a training step gathers, waits for, computes with and releases the units,
 // double-buffered. The forward visits every gathered unit (replicated ones need no gather) (the head does the loss and its backward in
@@ -114,10 +134,18 @@ class ShardedBase {
   // between pieces are whatever the buffer held: nothing reads them.
   ShardedBase(Backend& backend, Memory& memory, const ShardedBaseLayout& layout, Communicator& comm,
               CommStream stream = {});
+  // A streamed layout (layout.from_host): the gathered units' bytes in pinned host memory
+  // (memory.record_host, "base_host.layers.3"), the rest and the two buffers in `memory`; the
+  // engine fills them as above. Gathers are the backend's asynchronous host-to-device copies.
+  ShardedBase(Backend& backend, Memory& memory, const ShardedBaseLayout& layout);
+  ~ShardedBase();
+  ShardedBase(const ShardedBase&) = delete;
+  ShardedBase& operator=(const ShardedBase&) = delete;
   // The record names: "base_shard.layers.3", "base_whole.head" (replicated), "base_gather.0".
   static constexpr const char* kShardRecordPrefix = "base_shard";
   static constexpr const char* kWholeRecordPrefix = "base_whole";
   static constexpr const char* kGatherRecordPrefix = "base_gather";
+  static constexpr const char* kHostRecordPrefix = "base_host";  // a streamed unit, in host memory
   const ShardedBaseLayout& layout() const { return layout_; }
   Device device() const { return backend_.device(); }
   // u8 bytes of the whole unit: its shard when replicated, else gather buffer `buffer`.
@@ -129,21 +157,30 @@ class ShardedBase {
   // the kernels issued so far (the buffer's last reader among them); wait() (host) or
   // compute_waits_for(buffer) (the compute stream, no host wait) before reading.
   void gather(int unit, int buffer);
-  void wait() { comm_.wait(stream_); }
-  void compute_waits_for(int buffer) { comm_.compute_waits(gathered_[buffer]); }
+  // From the host, the compute stream's wait is the only one: no peer can fail to answer.
+  void wait() {
+    if (comm_ != nullptr) comm_->wait(stream_);
+  }
+  void compute_waits_for(int buffer);
   // u8 view of piece `piece` of `unit` as gathered into `buffer`; a replicated unit's pieces are
   // in its shard (the buffer is then ignored).
   Tensor piece(int unit, int buffer, size_t piece) const;
   const Tensor& shard(int unit) const { return shards_[static_cast<size_t>(unit)]; }
 
  private:
+  // The shards and the gather buffers in `memory` (every unit of a streamed layout that is not
+  // gathered is replicated, so it lands there whole).
+  void allocate(Memory& memory);
+
   Backend& backend_;
   ShardedBaseLayout layout_;
-  Communicator& comm_;
+  Communicator* comm_ = nullptr;  // null for a streamed layout
   CommStream stream_;
-  std::vector<Tensor> shards_;
+  std::vector<Tensor> shards_;  // a streamed unit's: its whole bytes in host memory
+  std::vector<std::shared_ptr<void>> host_owners_;
   Tensor gather_[ShardedBaseLayout::kGatherBuffers];
   CommEvent gathered_[ShardedBaseLayout::kGatherBuffers];  // recorded after each buffer's gather
+  CopyEvent copied_[ShardedBaseLayout::kGatherBuffers];    // the same, for a streamed layout
 };
 
 // The step's view of a sharded base (step/frozen_base.h). `weights` is the engine's

@@ -22,6 +22,9 @@ struct Candidate {
   // memory: the copies overlap compute (an 8B QLoRA step on an H100: 11,128 against 11,422
   // tokens/s, bench/results/2026-12-06-h100-peers).
   bool offload;
+  // The fewest frozen layers streamed from pinned host memory (--stream_layers) that fit: the
+  // last resort, for a base too large for the device even in 4 bits.
+  bool stream = false;
 };
 
 constexpr Candidate kCandidates[] = {
@@ -30,7 +33,28 @@ constexpr Candidate kCandidates[] = {
     {"+ gradient checkpointing", "~25-30% (recompute)", false, true, false},
     {"+ QLoRA + gradient checkpointing", "~30-40%", true, true, false},
     {"+ QLoRA + checkpointing + offload", "~30-40%, +~3% (host copies)", true, true, true},
+    {"+ QLoRA + checkpointing + offload + streamed layers", "~30-40%, + the streamed layers' copies (not yet measured)",
+     true, true, true, true},
 };
+
+// The fewest streamed layers (3 or more: one or two only add the two buffers) with which `run`
+// fits, token chunks fitted too; false (run at the most layers) when none does.
+bool fit_streamed_layers(RunConfig& run, const LlamaConfig& model, uint64_t budget, uint64_t context) {
+  const int64_t chunks = run.mlp_chunk_tokens;
+  const auto fits_with = [&](int64_t layers) {
+    run.stream_layers = layers;
+    run.mlp_chunk_tokens = chunks;
+    return fit_token_chunks(run, model, budget, context);
+  };
+  int64_t low = 3, high = model.num_hidden_layers - 1;  // the plan falls as layers rise
+  if (high < low || !fits_with(high)) return false;
+  while (low < high) {
+    const int64_t mid = (low + high) / 2;
+    if (fits_with(mid)) high = mid;
+    else low = mid + 1;
+  }
+  return fits_with(low);
+}
 
 }  // namespace
 
@@ -71,6 +95,7 @@ std::string fit_flags(const RunConfig& r) {
   if (r.offload_activations) flags += " --offload_activations";
   if (r.offload_embeddings) flags += " --offload_embeddings";
   if (r.offload_optimizer) flags += " --offload_optimizer";
+  if (r.stream_layers > 0) flags += fmt::format(" --stream_layers {}", r.stream_layers);
   flags += fmt::format(" --per_device_train_batch_size {} --gradient_accumulation_steps {}", r.per_device_train_batch_size,
                        r.gradient_accumulation_steps);
   if (r.mlp_chunk_tokens > 0) flags += fmt::format(" --mlp_chunk_tokens {}", r.mlp_chunk_tokens);
@@ -104,17 +129,23 @@ FitResult fit_run(const RunConfig& base, const LlamaConfig& model, uint64_t budg
       run.per_device_train_batch_size = micro;
       run.gradient_accumulation_steps = effective / micro;
       run.mlp_chunk_tokens = base.mlp_chunk_tokens;  // auto again for every micro-batch
-      if (!fit_token_chunks(run, model, budget, context)) continue;
+      if (candidate.stream ? !fit_streamed_layers(run, model, budget, context)
+                           : !fit_token_chunks(run, model, budget, context))
+        continue;
       const Plan plan = plan_run(run, model);
       if (host_budget > 0 && plan.host_bytes > host_budget) {
         host_short = plan.host_bytes;
         continue;
       }
       const uint64_t planned = plan.arena_bytes;
-      result.explanation += fmt::format("  {:<36} fits at micro-batch {} x accumulation {}{}: {} (expected slowdown {})\n",
+      result.explanation += fmt::format("  {:<36} fits at micro-batch {} x accumulation {}{}{}: {} (expected slowdown {})\n",
                                         candidate.name, micro, effective / micro,
                                         run.resolved_token_chunk_rows() > 0
                                             ? fmt::format(", token chunks of {}", run.resolved_token_chunk_rows())
+                                            : std::string(),
+                                        run.stream_layers > 0
+                                            ? fmt::format(", {} of {} layers streamed", run.stream_layers,
+                                                          model.num_hidden_layers)
                                             : std::string(),
                                         format_bytes(planned + context), candidate.expected_slowdown);
       if (!result.fits) {

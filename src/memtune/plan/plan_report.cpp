@@ -21,6 +21,7 @@ nlohmann::json run_config_json(const RunConfig& run, const LlamaConfig& model) {
           {"offload_activations", run.offload_activations},
           {"offload_embeddings", run.offload_embeddings},
           {"offload_optimizer", run.offload_optimizer},
+          {"stream_layers", run.stream_layers},
           {"packed_rows", run.packed_rows},
           {"gradient_checkpointing", run.gradient_checkpointing},
           {"per_device_train_batch_size", run.per_device_train_batch_size},
@@ -37,6 +38,21 @@ nlohmann::json run_config_json(const RunConfig& run, const LlamaConfig& model) {
           {"seed", run.seed}};
 }
 
+namespace {
+// What a host allocation is (the names are ModelWeights', LlamaStep's, LoraState's and
+// ShardedBase's): its key in the plan's JSON and its line in the plan's text.
+struct HostKind {
+  const char* key;
+  const char* label;
+};
+HostKind host_kind(const std::string& name) {
+  if (name == "model.embed_tokens.weight") return {"embeddings", "offloaded embeddings"};
+  if (name.rfind("lora.", 0) == 0) return {"optimizer", "offloaded optimizer"};
+  if (name.rfind("base_host.", 0) == 0) return {"streamed_layers", "streamed layers"};
+  return {"offloaded_activations", "offloaded activations"};
+}
+}  // namespace
+
 nlohmann::json plan_json(const Plan& plan, const RunConfig& run, const LlamaConfig& model) {
   nlohmann::json categories = nlohmann::json::object(), max = nlohmann::json::object();
   for (int c = 0; c < kNumMemCategories; ++c) {
@@ -47,7 +63,7 @@ nlohmann::json plan_json(const Plan& plan, const RunConfig& run, const LlamaConf
   nlohmann::json host = nlohmann::json::object();
   host["offloaded_activations"] = 0;
   for (const HostAllocationRecord& r : plan.host_records) {
-    const char* key = r.name == "model.embed_tokens.weight" ? "embeddings" : "offloaded_activations";
+    const char* key = host_kind(r.name).key;
     host[key] = host.value(key, uint64_t{0}) + r.bytes;
   }
   // Every figure is in bytes; "device" is the backend planned for (its workspace included).
@@ -66,15 +82,6 @@ nlohmann::json plan_json(const Plan& plan, const RunConfig& run, const LlamaConf
           {"run", run_config_json(run, model)}};
 }
 
-namespace {
-// The plan's line for a host allocation (the names are ModelWeights', LlamaStep's and LoraState's).
-const char* host_record_label(const std::string& name) {
-  if (name == "model.embed_tokens.weight") return "offloaded embeddings";
-  if (name.rfind("lora.", 0) == 0) return "offloaded optimizer";
-  return "offloaded activations";
-}
-}  // namespace
-
 std::string format_plan(const Plan& plan, const RunConfig& run, const LlamaConfig& model) {
   std::string out = fmt::format(
       "memtune plan for {}: {} | {} | attention {} | checkpointing {}{} | loss {} | batch {} x seq {} "
@@ -90,7 +97,15 @@ std::string format_plan(const Plan& plan, const RunConfig& run, const LlamaConfi
   const auto widen = [&](uint64_t bytes) { width = std::max(width, format_bytes(bytes).size() + 2); };
   for (int c = 0; c < kNumMemCategories; ++c) widen(plan.at_peak[c]), widen(plan.max_by_category[c]);
   widen(plan.arena_bytes);
-  for (const HostAllocationRecord& r : plan.host_records) widen(r.bytes);
+  // One line a label: the streamed layers are one record each.
+  std::vector<std::pair<std::string, uint64_t>> host_lines;
+  for (const HostAllocationRecord& r : plan.host_records) {
+    const std::string label = host_kind(r.name).label;
+    const auto same = std::find_if(host_lines.begin(), host_lines.end(), [&](const auto& line) { return line.first == label; });
+    if (same != host_lines.end()) same->second += r.bytes;
+    else host_lines.emplace_back(label, r.bytes);
+  }
+  for (const auto& line : host_lines) widen(line.second);
   out += fmt::format("  {:<24}{:>{}}{:>{}}\n", "category", "at peak", width, "own max", width);
   for (int c = 0; c < kNumMemCategories; ++c)
     out += fmt::format("  {:<24}{:>{}}{:>{}}\n", category_label(category_at(c)), format_bytes(plan.at_peak[c]), width,
@@ -99,10 +114,9 @@ std::string format_plan(const Plan& plan, const RunConfig& run, const LlamaConfi
   // Host memory, beside the device arena (pinned, allocated once; not in the device peak).
   if (plan.host_records.empty())
     out += fmt::format("  {:<24}{:>{}}   host (pinned), not in the device peak\n", "host memory", format_bytes(0), width);
-  for (const HostAllocationRecord& r : plan.host_records)
-    out += fmt::format("  {:<24}{:>{}}   host (pinned), not in the device peak\n",
-                       host_record_label(r.name),
-                       format_bytes(r.bytes), width);
+  for (const auto& [label, bytes] : host_lines) {
+    out += fmt::format("  {:<24}{:>{}}   host (pinned), not in the device peak\n", label, format_bytes(bytes), width);
+  }
   out += fmt::format("  parameters: {} frozen, {} trainable; {} allocations planned in {:.3f} s\n",
                      plan.frozen_parameters, plan.trainable_parameters, plan.records.size(),
                      plan.seconds);
@@ -115,6 +129,21 @@ std::string fit_advice(const RunConfig& run, const LlamaConfig& model, uint64_t 
     std::string what;
     std::function<bool(RunConfig&)> apply;  // false: not applicable
   };
+  const auto planned = [&](const RunConfig& r) { return plan_run(r, model, device, world_size).arena_bytes; };
+  // --stream_layers: the fewest layers (3 or more; fewer only add the two buffers) that fit with
+  // nothing else changed, else all but one.
+  const int64_t layers = model.num_hidden_layers;
+  int64_t stream = 0;
+  if (world_size == 1 && run.stream_layers == 0 && !run.shard_base && layers >= 4) {
+    stream = layers - 1;
+    for (int64_t low = 3, high = layers - 1; low <= high;) {
+      const int64_t mid = (low + high) / 2;
+      RunConfig r = run;
+      r.stream_layers = mid;
+      if (planned(r) + context <= budget) stream = mid, high = mid - 1;
+      else low = mid + 1;
+    }
+  }
   const std::vector<Change> changes = {
       {"--shard_base (the frozen base split across the ranks)", [world_size](RunConfig& r) { if (world_size < 2 || r.shard_base) return false; r.shard_base = true; return true; }},
       {"--bf16", [](RunConfig& r) { if (r.precision != Precision::fp32) return false; r.precision = Precision::bf16; return true; }},
@@ -126,10 +155,11 @@ std::string fit_advice(const RunConfig& run, const LlamaConfig& model, uint64_t 
       {"--offload_activations (with checkpointing)", [](RunConfig& r) { if (r.offload_activations) return false; r.offload_activations = r.gradient_checkpointing = true; return true; }},
       {"--offload_embeddings", [&model](RunConfig& r) { if (r.offload_embeddings || model.tie_word_embeddings) return false; r.offload_embeddings = true; return true; }},
       {"--offload_optimizer (AdamW's moments in host memory)", [world_size](RunConfig& r) { if (r.offload_optimizer || world_size > 1) return false; r.offload_optimizer = true; return true; }},
+      {fmt::format("--stream_layers {} (of {} layers, from host memory)", stream, layers),
+       [stream](RunConfig& r) { if (stream == 0 || r.stream_layers > 0) return false; r.stream_layers = stream; return true; }},
       {"halve --per_device_train_batch_size (double accumulation)", [](RunConfig& r) { if (r.per_device_train_batch_size < 2) return false; r.per_device_train_batch_size /= 2; r.gradient_accumulation_steps *= 2; return true; }},
       {"halve --max_seq_length", [](RunConfig& r) { if (r.max_seq_length < 4) return false; r.max_seq_length /= 2; return true; }},
   };
-  const auto planned = [&](const RunConfig& r) { return plan_run(r, model, device, world_size).arena_bytes; };
   std::string out = fmt::format("the plan{} needs {} + {} context, over the budget of {}. Single changes:\n",
                                 world_size > 1 ? fmt::format(" of one rank of {}", world_size) : "",
                                 format_bytes(planned(run)), format_bytes(context), format_bytes(budget));

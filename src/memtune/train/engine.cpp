@@ -51,8 +51,27 @@ bool shards_base(const RunConfig& run, const Communicator* communicator) {
   return run.shard_base && is_data_parallel(communicator);
 }
 
+// --stream_layers: one device keeps some layers in host memory. Several ranks shard the base instead.
+bool streams_base(const RunConfig& run, const Communicator* communicator) {
+  MT_USER_CHECK(run.stream_layers == 0 || !is_data_parallel(communicator), "--stream_layers {} with {} ranks: "
+                "streaming layers from host memory is for one device; with several, use --shard_base",
+                run.stream_layers, communicator != nullptr ? communicator->world_size() : 1);
+  return run.stream_layers > 0;
+}
+
+// The whole base is only described (on the meta device) where a ShardedBase holds its bytes.
+bool base_held_in_units(const RunConfig& run, const Communicator* communicator) {
+  return shards_base(run, communicator) || streams_base(run, communicator);
+}
+
 std::unique_ptr<ShardedBase> make_sharded_base(Backend& backend, Memory& memory, const Memory& description,
+                                               const RunConfig& run, const LlamaConfig& model,
                                                Communicator* communicator) {
+  if (streams_base(run, communicator)) {
+    const std::vector<int> layers =
+        streamed_layer_choice(static_cast<int>(model.num_hidden_layers), static_cast<int>(run.stream_layers));
+    return std::make_unique<ShardedBase>(backend, memory, streamed_base_layout(description.records(), layers));
+  }
   const ShardedBaseLayout layout =
       sharded_base_layout(description.records(), communicator->world_size(), /*replicate_when_cheaper=*/true);
   // The gathers on the communicator's side stream, beside the compute (events order them).
@@ -68,11 +87,11 @@ Engine::Engine(Backend& backend, void* arena, uint64_t arena_bytes, const RunCon
       model_(model),
       memory_(backend.device(), arena, arena_bytes),
       base_description_(Device::meta, nullptr, 0),
-      weights_(ModelWeights::allocate(shards_base(run, communicator) ? base_description_ : memory_, model_,
+      weights_(ModelWeights::allocate(base_held_in_units(run, communicator) ? base_description_ : memory_, model_,
                                       precision_dtype(run.precision), run.load_in_4bit ? &run.quant : nullptr,
                                       run.offload_embeddings ? &backend : nullptr)),
-      sharded_base_(shards_base(run, communicator)
-                        ? make_sharded_base(backend, memory_, base_description_, communicator)
+      sharded_base_(base_held_in_units(run, communicator)
+                        ? make_sharded_base(backend, memory_, base_description_, run, model_, communicator)
                         : nullptr),
       lora_(LoraState::allocate(memory_, model_, run.lora_config(), precision_dtype(run.precision),
                                 /*with_optimizer=*/!is_data_parallel(communicator),
@@ -123,6 +142,9 @@ void Engine::fill_base_by_unit(const std::function<void(const std::vector<size_t
     if (!in_unit[i]) rest.push_back(i);
   if (!rest.empty()) fill(rest);
 }
+
+bool Engine::base_sharded() const { return sharded_base_ != nullptr && !sharded_base_->layout().from_host; }
+bool Engine::base_streamed() const { return sharded_base_ != nullptr && sharded_base_->layout().from_host; }
 
 int Engine::rank() const { return data_parallel_ ? data_parallel_->comm().rank() : 0; }
 int Engine::world_size() const { return data_parallel_ ? data_parallel_->comm().world_size() : 1; }

@@ -83,7 +83,7 @@ class Engine {
   Engine& operator=(const Engine&) = delete;
 
   Memory& memory() { return memory_; }
-  // With the base sharded (base_sharded()), the weights' tensors hold bytes only inside a step's
+  // With the base sharded or streamed (base_sharded(), base_streamed()), the weights' tensors hold bytes only inside a step's
   // visit of their unit (parallel/sharded_base.h); outside they are null.
   const ModelWeights& weights() const { return weights_; }
   ModelWeights& weights() { return weights_; }
@@ -97,7 +97,9 @@ class Engine {
   int world_size() const;
   DataParallelAdapters* data_parallel() { return data_parallel_.get(); }
   // run.shard_base with world_size > 1: this rank keeps its shard of the frozen base.
-  bool base_sharded() const { return sharded_base_ != nullptr; }
+  bool base_sharded() const;
+  // run.stream_layers: some layers live in host memory and are copied in per visit.
+  bool base_streamed() const;
   const ShardedBase* sharded_base() const { return sharded_base_.get(); }
   // ---- end data parallel ----
 
@@ -151,7 +153,8 @@ class Engine {
   // records are the sharded layout's source.
   Memory base_description_;
   ModelWeights weights_;
-  std::unique_ptr<ShardedBase> sharded_base_;  // run.shard_base and world_size > 1 only
+  // run.shard_base and world_size > 1, or run.stream_layers (one device; a streamed layout)
+  std::unique_ptr<ShardedBase> sharded_base_;
   LoraState lora_;
   Tensor grad_norm_sq_;  // f32 [1]
   Tensor backend_workspace_;  // Backend::workspace_bytes() of planned scratch, bound to the backend

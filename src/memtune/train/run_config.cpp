@@ -60,6 +60,9 @@ void RunConfig::validate() const {
   MT_USER_CHECK(!offload_activations || gradient_checkpointing,
                 "offload_activations needs gradient_checkpointing: it offloads the layer inputs that "
                 "checkpointing saves (add --gradient_checkpointing)");
+  MT_USER_CHECK(stream_layers >= 0, "stream_layers {}: expected 0 or more layers", stream_layers);
+  MT_USER_CHECK(stream_layers == 0 || !shard_base, "stream_layers with shard_base: the sharded base already keeps "
+                "only a shard of each layer on a rank; use one or the other");
   MT_USER_CHECK(lora_r > 0, "lora_r must be >= 1");
   MT_USER_CHECK(lora_alpha > 0, "lora_alpha must be positive");
   MT_USER_CHECK(lora_dropout >= 0 && lora_dropout < 1, "lora_dropout must be in [0, 1)");

@@ -60,6 +60,12 @@ struct RunConfig {
   // time, just in time (FSDP-QLoRA; parallel/sharded_base.h). Needs world_size > 1; one rank
   // ignores it (the CLI refuses it there).
   bool shard_base = false;
+  // One device: this many of the frozen decoder layers kept in pinned host memory and copied to
+  // the device just before each use (forward and backward), on the copy stream, into two
+  // layer-sized buffers: the rest of the base stays resident (parallel/sharded_base.h,
+  // streamed_base_layout; the layers chosen are spread evenly). The same numbers as the resident
+  // base; the device holds (this many - 2) layers fewer. 0: every layer on the device.
+  int64_t stream_layers = 0;
   int64_t per_device_train_batch_size = 1;
   int64_t gradient_accumulation_steps = 1;
   int64_t max_seq_length = 256;

@@ -40,6 +40,7 @@ std::set<std::string> apply_run_yaml(const std::filesystem::path& path, RunConfi
       {"offload_optimizer", set(run.offload_optimizer)},
       {"ddp_bucket_cap_mb", set(run.ddp_bucket_cap_mb)},
       {"shard_base", set(run.shard_base)},
+      {"stream_layers", set(run.stream_layers)},
       {"per_device_train_batch_size", set(run.per_device_train_batch_size)},
       {"gradient_accumulation_steps", set(run.gradient_accumulation_steps)},
       {"max_seq_length", set(run.max_seq_length)},
