@@ -35,6 +35,10 @@
 #     o   issue 23: the Hopper backward's block and item orders (keys, rising, falling) with dQ by
 #         bulk reduce-adds: its GPU tests, each order in training steps, racecheck on its packed rows,
 #         Nsight Compute on each order's main pass and cuDNN's backward
+#     s   the seventh session's call: the GPU tests of --stream_layers, the Hopper forward and the
+#         backward test fixed then (TEST_FILTER), configuration 3 with 0, 6 and 8 frozen layers
+#         streamed (lora16-offload-opt, lora16-stream6, lora16-stream8), then Unsloth's
+#         configuration 3 (16-bit LoRA) beside them in the same call
 #     ab  a kernel change's call: the whole GPU test suite (TEST_FILTER, default all) and compute-sanitizer
 #         (AB_PARTS, default tests,sanitizer), then memtune's
 #         configurations 1 and 3 (AB_CONFIGS) with BIN_DIR and with BASE_BIN_DIR (required)
@@ -161,6 +165,12 @@ case "$CALL" in
     SANITIZER_TIMEOUT=${SANITIZER_TIMEOUT:-150} \
       SANITIZER_FILTER=${SANITIZER_FILTER:-'CudaHopperAttentionTest.ForwardMatchesCpuAndFeedsTheBackward:CudaHopperAttentionTest.PackedRowsMatchCpu:CudaHopperBackwardTest.PackedRowsMatchCpu'} \
       check "$BIN_DIR" sanitizer-tests
+    ;;
+  s)
+    GTEST_FILTER=${TEST_FILTER:-'CudaStepTest.StreamedLayers*:CudaHopperAttentionTest.*:CudaHopperBackwardTest.BackendBackwardMatchesV2AtOddShapes'} \
+      TEST_TIMEOUT=${TEST_TIMEOUT:-150} CONFIGS=${CONFIGS:-lora16-offload-opt,lora16-stream6,lora16-stream8} CONFIG_STEPS=6 \
+      check "$BIN_DIR" tests,configs
+    UNSLOTH_ARGS="--only flash" UNSLOTH_STEPS=4 UNSLOTH_TIMEOUT=${UNSLOTH_TIMEOUT:-240} check "$BIN_DIR" unsloth
     ;;
   h)
     # Configurations 1 and 3 for all four tools in one call: memtune's variants, Unsloth (1, 3 and its
