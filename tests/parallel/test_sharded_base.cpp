@@ -98,6 +98,34 @@ TEST(ShardedBase, GatherScheduleIsDoubleBufferedAndPrefetchesTheNextUnit) {
   EXPECT_NE(check_gather_schedule(bad, visits), "");
 }
 
+// A visit of the unit just computed (the last gathered layer's forward then its backward, where
+// the head between them is not gathered: a replicated head, or streamed layers) reads the same
+// buffer again: no gather and no release between the two, and the buffers alternate around it.
+TEST(ShardedBase, ARepeatedVisitReadsTheSameBufferWithoutAGather) {
+  const std::vector<int> visits{1, 2, 3, 3, 2, 1};
+  EXPECT_EQ(gather_buffers(visits), (std::vector<int>{0, 1, 0, 0, 1, 0}));
+  const std::vector<GatherEvent> events = gather_schedule(visits);
+  EXPECT_EQ(check_gather_schedule(events, visits), "");
+  int gathers = 0, releases = 0;
+  for (const GatherEvent& e : events) {
+    gathers += e.action == GatherAction::gather;
+    releases += e.action == GatherAction::release;
+  }
+  EXPECT_EQ(gathers, 5);
+  EXPECT_EQ(releases, 5);
+  // The streamed layout of layers 1 and 3 of 4: every other unit kept whole, the visits end and
+  // begin the backward with layer 3.
+  const ShardedBaseLayout streamed = streamed_base_layout(plan_run(qlora_run(), four_layer_model(), Device::cpu).records, {1, 3});
+  EXPECT_TRUE(streamed.from_host);
+  std::vector<int> streamed_visits;
+  const std::vector<GatherEvent> streamed_events = unit_visits_of_step(streamed, &streamed_visits);
+  ASSERT_EQ(streamed_visits.size(), 4u);
+  EXPECT_EQ(streamed_visits[1], streamed_visits[2]);
+  EXPECT_EQ(streamed.units[static_cast<size_t>(streamed_visits[1])].layer, 3);
+  EXPECT_EQ(check_gather_schedule(streamed_events, streamed_visits), "");
+  for (const BaseUnit& u : streamed.units) EXPECT_EQ(u.replicated, u.layer != 1 && u.layer != 3) << u.name;
+}
+
 TEST(ShardedBase, PerRankMemoryShrinksTheBaseAndTheOptimizerState) {
   const LlamaConfig model = four_layer_model();
   const RunConfig run = qlora_run();

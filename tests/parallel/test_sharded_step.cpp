@@ -7,6 +7,8 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include "memtune/train/engine_arena.h"
 #include "../support/engine_setup.h"
 #include "inprocess_communicator.h"
@@ -214,6 +216,12 @@ TEST(ShardedStep, EachVisitGathersItsUnitOnce) {
     const int forward = static_cast<int>(gathered_unit_visits(layout, false).size());
     const int training = static_cast<int>(gathered_unit_visits(layout, true).size());
     EXPECT_EQ(training, forward + static_cast<int>(model.num_hidden_layers));
+    // The head is gathered between the last layer's two visits here, so no visit repeats the one
+    // before it (a repeat would read the same buffer again, without a gather: gather_schedule).
+    const std::vector<GatherEvent> schedule = gather_schedule(gathered_unit_visits(layout, true));
+    EXPECT_EQ(std::count_if(schedule.begin(), schedule.end(),
+                            [](const GatherEvent& e) { return e.action == GatherAction::gather; }),
+              training);
     EXPECT_EQ(calls[1][0] - calls[0][0], training) << "checkpointing " << checkpointing;
     EXPECT_EQ(calls[1][1] - calls[0][1], forward) << "checkpointing " << checkpointing;
   }

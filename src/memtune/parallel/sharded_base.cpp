@@ -162,16 +162,24 @@ std::vector<GatherEvent> unit_visits_of_step(const ShardedBaseLayout& layout, st
   return gather_schedule(visits);
 }
 
+std::vector<int> gather_buffers(const std::vector<int>& visits) {
+  std::vector<int> buffers(visits.size(), 0);
+  for (size_t k = 1; k < visits.size(); ++k)
+    buffers[k] = visits[k] == visits[k - 1] ? buffers[k - 1] : 1 - buffers[k - 1];
+  return buffers;
+}
+
 std::vector<GatherEvent> gather_schedule(const std::vector<int>& visits) {
   std::vector<GatherEvent> events;
   if (visits.empty()) return events;
+  const std::vector<int> buffers = gather_buffers(visits);
   events.push_back({GatherAction::gather, visits[0], 0});
   for (size_t k = 0; k < visits.size(); ++k) {
-    const int buffer = static_cast<int>(k % 2);
-    events.push_back({GatherAction::wait, visits[k], buffer});
-    if (k + 1 < visits.size()) events.push_back({GatherAction::gather, visits[k + 1], 1 - buffer});
-    events.push_back({GatherAction::compute, visits[k], buffer});
-    events.push_back({GatherAction::release, visits[k], buffer});
+    const bool next_is_other = k + 1 < visits.size() && visits[k + 1] != visits[k];
+    events.push_back({GatherAction::wait, visits[k], buffers[k]});
+    if (next_is_other) events.push_back({GatherAction::gather, visits[k + 1], buffers[k + 1]});
+    events.push_back({GatherAction::compute, visits[k], buffers[k]});
+    if (next_is_other || k + 1 == visits.size()) events.push_back({GatherAction::release, visits[k], buffers[k]});
   }
   return events;
 }
@@ -383,6 +391,7 @@ void ShardedBaseWeights::begin_pass(bool with_backward) {
   MT_ASSERT(next_visit_ == visits_.size(), "a pass began while {} of {} visits of the last one were left",
             visits_.size() - next_visit_, visits_.size());
   visits_ = gathered_unit_visits(base_.layout(), with_backward);
+  buffers_ = gather_buffers(visits_);
   next_visit_ = 0;
   if (!visits_.empty()) base_.gather(visits_[0], 0);
 }
@@ -396,14 +405,16 @@ void ShardedBaseWeights::acquire(int step_unit) {
             "the step visits base unit {} where the pass expects {}", base_.layout().units[static_cast<size_t>(unit)].name,
             next_visit_ < visits_.size() ? base_.layout().units[static_cast<size_t>(visits_[next_visit_])].name : "none");
   // The schedule of gather_schedule: wait for this visit's gather, then issue the next visit's
-  // into the other buffer (its last reader was released before this acquire), then compute.
+  // into the other buffer (its last reader was released before this acquire), then compute. A
+  // next visit of this same unit reads this buffer again: nothing to gather.
   // The compute stream waits for the gather's event, not for the side stream as a whole, so that
   // the grad buckets all-reduced there meanwhile keep overlapping. The host waits once per pass,
   // at its last visit: that is where a dead peer becomes an error instead of a hang.
-  const int buffer = static_cast<int>(next_visit_ % ShardedBaseLayout::kGatherBuffers);
+  const int buffer = buffers_[next_visit_];
   base_.compute_waits_for(buffer);
   if (next_visit_ + 1 == visits_.size()) base_.wait();
-  if (next_visit_ + 1 < visits_.size()) base_.gather(visits_[next_visit_ + 1], 1 - buffer);
+  if (next_visit_ + 1 < visits_.size() && visits_[next_visit_ + 1] != unit)
+    base_.gather(visits_[next_visit_ + 1], buffers_[next_visit_ + 1]);
   bind(unit, buffer);
   ++next_visit_;
 }

@@ -111,8 +111,13 @@ std::vector<GatherEvent> unit_visits_of_step(const ShardedBaseLayout& layout, st
 // again, last first. A training step's are unit_visits_of_step's; eval's are the forward's.
 std::vector<int> gathered_unit_visits(const ShardedBaseLayout& layout, bool with_backward);
 // The schedule for a sequence of unit visits: gather(v0); then per visit k: wait(vk),
-// gather(v(k+1)) into the other buffer, compute(vk), release(vk).
+// gather(v(k+1)) into the other buffer, compute(vk), release(vk). A visit of the unit the visit
+// before it computed with (the last gathered layer's forward, then its backward, where the head is
+// not gathered between them) reads the same buffer again: no gather, and no release between them.
 std::vector<GatherEvent> gather_schedule(const std::vector<int>& visits);
+// The gather buffer of each visit under gather_schedule: alternating, except that a repeated unit
+// keeps its buffer.
+std::vector<int> gather_buffers(const std::vector<int>& visits);
 // Empty when the schedule is sound (each compute's unit gathered and waited for in its buffer,
 // never more than two buffers held, no gather into a held buffer), else the first problem.
 std::string check_gather_schedule(const std::vector<GatherEvent>& events, const std::vector<int>& visits);
@@ -210,6 +215,7 @@ class ShardedBaseWeights final : public FrozenBaseUnits {
   bool head_reads_embedding_ = false;  // tied: lm_head is the (replicated) embedding table
   std::vector<int> layer_units_;
   std::vector<int> visits_;
+  std::vector<int> buffers_;  // gather_buffers(visits_)
   size_t next_visit_ = 0;
 };
 
