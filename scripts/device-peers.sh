@@ -38,7 +38,8 @@
 #     s   the seventh session's call: the GPU tests of --stream_layers, the Hopper forward and the
 #         backward test fixed then (TEST_FILTER), configuration 3 with 0, 6 and 8 frozen layers
 #         streamed (lora16-offload-opt, lora16-stream6, lora16-stream8), then Unsloth's
-#         configuration 3 (16-bit LoRA) beside them in the same call
+#         configuration 3 (16-bit LoRA) beside them in the same call; with BASE_BIN_DIR, that build's
+#         Hopper attention timings between them (a kernel change's A/B)
 #     ab  a kernel change's call: the whole GPU test suite (TEST_FILTER, default all) and compute-sanitizer
 #         (AB_PARTS, default tests,sanitizer), then memtune's
 #         configurations 1 and 3 (AB_CONFIGS) with BIN_DIR and with BASE_BIN_DIR (required)
@@ -170,6 +171,10 @@ case "$CALL" in
     GTEST_FILTER=${TEST_FILTER:-'CudaStepTest.StreamedLayers*:CudaHopperAttentionTest.*:CudaHopperBackwardTest.BackendBackwardMatchesV2AtOddShapes'} \
       TEST_TIMEOUT=${TEST_TIMEOUT:-150} CONFIGS=${CONFIGS:-lora16-offload-opt,lora16-stream6,lora16-stream8} CONFIG_STEPS=6 \
       check "$BIN_DIR" tests,configs
+    # With BASE_BIN_DIR (an older memtune_gpu_tests.gz and its libgomp): its attention timings, the
+    # A/B of a kernel change on the same machine.
+    [ -n "${BASE_BIN_DIR:-}" ] && GTEST_FILTER=${BASE_TEST_FILTER:-'CudaHopperBackwardTest.TimingPrintHopperBackward:CudaHopperAttentionTest.TimingPrintHopperForward'} \
+      TEST_TIMEOUT=120 check "$BASE_BIN_DIR" tests
     UNSLOTH_ARGS="--only flash" UNSLOTH_STEPS=4 UNSLOTH_TIMEOUT=${UNSLOTH_TIMEOUT:-240} check "$BIN_DIR" unsloth
     ;;
   h)
