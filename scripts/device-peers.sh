@@ -39,7 +39,8 @@
 #         backward test fixed then (TEST_FILTER), configuration 3 with 0, 6 and 8 frozen layers
 #         streamed (lora16-offload-opt, lora16-stream6, lora16-stream8), then Unsloth's
 #         configuration 3 (16-bit LoRA) beside them in the same call; with BASE_BIN_DIR, that build's
-#         Hopper attention timings between them (a kernel change's A/B)
+#         Hopper attention timings between them (a kernel change's A/B); compute-sanitizer on the
+#         Hopper kernels' correctness tests before Unsloth
 #     ab  a kernel change's call: the whole GPU test suite (TEST_FILTER, default all) and compute-sanitizer
 #         (AB_PARTS, default tests,sanitizer), then memtune's
 #         configurations 1 and 3 (AB_CONFIGS) with BIN_DIR and with BASE_BIN_DIR (required)
@@ -175,6 +176,11 @@ case "$CALL" in
     # A/B of a kernel change on the same machine.
     [ -n "${BASE_BIN_DIR:-}" ] && GTEST_FILTER=${BASE_TEST_FILTER:-'CudaHopperBackwardTest.TimingPrintHopperBackward:CudaHopperAttentionTest.TimingPrintHopperForward'} \
       TEST_TIMEOUT=120 check "$BASE_BIN_DIR" tests
+    # compute-sanitizer on the Hopper kernels' correctness tests (both forward kernels), then Unsloth
+    # last: a call cut at 600 s loses only it.
+    SANITIZER_TIMEOUT=${SANITIZER_TIMEOUT:-150} \
+      SANITIZER_FILTER=${SANITIZER_FILTER:-'CudaHopperAttentionTest.ForwardMatchesCpuAndFeedsTheBackward:CudaHopperAttentionTest.PackedRowsMatchCpu:CudaHopperBackwardTest.PackedRowsMatchCpu'} \
+      check "$BIN_DIR" sanitizer-tests
     UNSLOTH_ARGS="--only flash" UNSLOTH_STEPS=4 UNSLOTH_TIMEOUT=${UNSLOTH_TIMEOUT:-240} check "$BIN_DIR" unsloth
     ;;
   h)
