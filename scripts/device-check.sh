@@ -372,7 +372,10 @@ timed_train() {
   local dir=$1 name=$2 limit=$3; shift 3
   nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 100 > "$dir/$name.smi" 2>&1 &
   local sampler=$!
-  timeout "$limit" "$BIN_DIR/memtune" train --device cuda --model llama-3.1-8b "$@" --quiet \
+  # Llama 3.1 8B unless the variant names its model.
+  local model=(--model llama-3.1-8b)
+  [[ " $* " == *" --model "* ]] && model=()
+  timeout "$limit" "$BIN_DIR/memtune" train --device cuda "${model[@]}" "$@" --quiet \
     --metrics "$dir/$name.jsonl" --out "$dir/out" > "$dir/$name.log" 2>&1
   local rc=$?
   kill $sampler 2>/dev/null; wait $sampler 2>/dev/null
@@ -401,6 +404,8 @@ timed_train() {
 #                          (AdamW's moments in pinned host memory): the leanest run of each
 #   lora16-stream6, lora16-stream8  lora16-offload-opt with 6 or 8 of the 32 frozen layers streamed
 #                          from pinned host memory (--stream_layers), configuration 3's memory target
+#   qlora70b-24g           Llama 3.1 70B QLoRA at 1 x 2048 under --vram 24GiB with what `fit` chose
+#                          for it (both offloads, 41 of the 80 layers streamed): the verdict on a GPU
 if has_part configs; then
   stamp configs
   C="$WORK/configs"; mkdir -p "$C"
@@ -419,6 +424,7 @@ if has_part configs; then
                  "lora16-offload-opt|$LORA16 --offload_activations --offload_optimizer $SHAPE1" \
                  "lora16-stream6|$LORA16 --offload_activations --offload_optimizer --stream_layers 6 $SHAPE1" \
                  "lora16-stream8|$LORA16 --offload_activations --offload_optimizer --stream_layers 8 $SHAPE1" \
+                 "qlora70b-24g|--model llama-3.1-70b $QLORA --offload_activations --stream_layers 41 --vram 24GiB --batch 1 --accum 1 --seq 2048" \
                  "data-merged-opt|$QLORA $SHAPE2 --merge_micro_batches true --offload_optimizer" \
                  "qlora-unstacked|$QLORA $SHAPE1 --stacked_lora false --profile" \
                  "lora16-unstacked|$LORA16 $SHAPE1 --stacked_lora false --profile"; do

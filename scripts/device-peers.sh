@@ -37,7 +37,8 @@
 #         Nsight Compute on each order's main pass and cuDNN's backward
 #     s   the seventh session's call: the GPU tests of --stream_layers, the Hopper forward and the
 #         backward test fixed then (TEST_FILTER), configuration 3 with 0, 6 and 8 frozen layers
-#         streamed (lora16-offload-opt, lora16-stream6, lora16-stream8), then Unsloth's
+#         streamed (lora16-offload-opt, lora16-stream6, lora16-stream8) and 70B QLoRA under --vram 24GiB
+#         (qlora70b-24g), then Unsloth's
 #         configuration 3 (16-bit LoRA) beside them in the same call; with BASE_BIN_DIR, that build's
 #         Hopper attention timings between them (a kernel change's A/B); compute-sanitizer on the
 #         Hopper kernels' correctness tests before Unsloth
@@ -170,7 +171,7 @@ case "$CALL" in
     ;;
   s)
     GTEST_FILTER=${TEST_FILTER:-'CudaStepTest.StreamedLayers*:CudaHopperAttentionTest.*:CudaHopperBackwardTest.BackendBackwardMatchesV2AtOddShapes'} \
-      TEST_TIMEOUT=${TEST_TIMEOUT:-150} CONFIGS=${CONFIGS:-lora16-offload-opt,lora16-stream6,lora16-stream8} CONFIG_STEPS=6 \
+      TEST_TIMEOUT=${TEST_TIMEOUT:-150} CONFIGS=${CONFIGS:-lora16-offload-opt,lora16-stream6,lora16-stream8,qlora70b-24g} CONFIG_STEPS=6 \
       check "$BIN_DIR" tests,configs
     # With BASE_BIN_DIR (an older memtune_gpu_tests.gz and its libgomp): its attention timings, the
     # A/B of a kernel change on the same machine.
