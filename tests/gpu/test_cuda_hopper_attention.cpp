@@ -3,14 +3,17 @@
 // lse against the CPU backend's flash forward at odd shapes (bf16 and f16, head_dim 64 and 128,
 // GQA, causal), the existing flash backward run on what it saved against the CPU backward, the
 // backend's forward with and without it (forward v2) over the same inputs, forward and backward,
-// packed rows against the CPU, and a timing print beside forward v2 and cuDNN. Skips without a
-// GPU, on devices other than compute capability 9.0, and in builds without its sm_90a kernel.
+// packed rows against the CPU, and a timing print beside forward v2 and cuDNN. Each test runs
+// both of its kernels (FlashVersions::forward_hopper_overlap: without and with the
+// intra-warpgroup pipelining). Skips without a GPU, on devices other than compute capability 9.0,
+// and in builds without its sm_90a kernel.
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <functional>
+#include <tuple>
 
 #include "flash_versions_scope.h"
 #include "gpu_test_util.h"
@@ -31,6 +34,21 @@ using hopper::segment_ids;
 
 cuda::AttentionParams params_of(const Config& c) { return cuda::attention_params_of(test::attention_dims_of(c)); }
 
+// The Hopper forward's kernels (FlashVersions::forward_hopper_overlap), by MEMTUNE_FLASH_FORWARD's
+// names; the launcher reads the choice on every launch.
+struct HopperVariant {
+  const char* name;
+  bool overlap;
+};
+constexpr HopperVariant kHopperVariants[] = {{"hopper", false}, {"hopper-overlap", true}};
+
+// The current versions with the Hopper forward allowed and `variant`'s kernel chosen.
+cuda::FlashVersions versions_with_variant(const HopperVariant& variant) {
+  cuda::FlashVersions versions = flash_versions_with_hopper(true);
+  versions.forward_hopper_overlap = variant.overlap;
+  return versions;
+}
+
 class CudaHopperAttentionTest : public CudaTest {
  protected:
   void SetUp() override {
@@ -50,7 +68,8 @@ class CudaHopperAttentionTest : public CudaTest {
 
 // Against the CPU backend's flash forward (fp32 math on the same 16-bit inputs): out within the
 // storage tolerance, lse (fp32) within 1e-4; then the existing flash backward, fed the Hopper
-// forward's out and lse, against the CPU backward. Outputs are poisoned with NaN first.
+// forward's out and lse, against the CPU backward. Outputs are poisoned with NaN first. Both
+// kernels, on the same inputs.
 TEST_F(CudaHopperAttentionTest, ForwardMatchesCpuAndFeedsTheBackward) {
   const Config configs[] = {{1, 1, 1, 1, 64},      {1, 77, 4, 1, 64},    {2, 300, 8, 2, 128},
                             {1, 1000, 4, 4, 128},  {1, 2049, 8, 2, 64},  {2, 129, 2, 1, 128},
@@ -63,19 +82,24 @@ TEST_F(CudaHopperAttentionTest, ForwardMatchesCpuAndFeedsTheBackward) {
       const hopper::CpuAttention ref = hopper::cpu_attention(cpu(), rng_, c, type);
 
       DeviceTensor q = upload(ref.q), k = upload(ref.k), v = upload(ref.v), d_out = upload(ref.d_out);
-      DeviceTensor out = poisoned(type, ref.q.shape), lse = poisoned(DType::f32, rows);
-      ASSERT_TRUE(
-          cuda::launch_flash_forward_hopper(params_of(c), cuda::flash_forward_tensors(out, lse, q, k, v), nullptr));
-      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-      expect_close("hopper out", out.floats(), ref.out.floats(), storage_tolerance(type));
-      expect_close("hopper lse", lse.floats(), ref.lse.floats(), 1e-4);
+      for (const HopperVariant& variant : kHopperVariants) {
+        SCOPED_TRACE(variant.name);
+        const FlashVersionsScope kernel(versions_with_variant(variant));
+        DeviceTensor out = poisoned(type, ref.q.shape), lse = poisoned(DType::f32, rows);
+        ASSERT_TRUE(
+            cuda::launch_flash_forward_hopper(params_of(c), cuda::flash_forward_tensors(out, lse, q, k, v), nullptr));
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        expect_close("hopper out", out.floats(), ref.out.floats(), storage_tolerance(type));
+        expect_close("hopper lse", lse.floats(), ref.lse.floats(), 1e-4);
 
-      DeviceTensor dq = poisoned(type, ref.q.shape), dk = poisoned(type, ref.k.shape), dv = poisoned(type, ref.k.shape);
-      DeviceTensor delta = poisoned(DType::f32, rows), dq_accum = poisoned(DType::f32, ref.q.shape);
-      gpu().attention_flash_backward(dq, dk, dv, delta, dq_accum, d_out, out, lse, q, k, v, Tensor{}, dims);
-      expect_close("backward on hopper forward dq", dq.floats(), ref.dq.floats(), storage_tolerance(type));
-      expect_close("backward on hopper forward dk", dk.floats(), ref.dk.floats(), storage_tolerance(type));
-      expect_close("backward on hopper forward dv", dv.floats(), ref.dv.floats(), storage_tolerance(type));
+        DeviceTensor dq = poisoned(type, ref.q.shape), dk = poisoned(type, ref.k.shape),
+                     dv = poisoned(type, ref.k.shape);
+        DeviceTensor delta = poisoned(DType::f32, rows), dq_accum = poisoned(DType::f32, ref.q.shape);
+        gpu().attention_flash_backward(dq, dk, dv, delta, dq_accum, d_out, out, lse, q, k, v, Tensor{}, dims);
+        expect_close("backward on hopper forward dq", dq.floats(), ref.dq.floats(), storage_tolerance(type));
+        expect_close("backward on hopper forward dk", dk.floats(), ref.dk.floats(), storage_tolerance(type));
+        expect_close("backward on hopper forward dv", dv.floats(), ref.dv.floats(), storage_tolerance(type));
+      }
     }
 }
 
@@ -108,11 +132,12 @@ TEST_F(CudaHopperAttentionTest, RefusesWhatItDoesNotServe) {
 }
 
 // The backend's own flash forward with the Hopper forward turned off (forward v2) and on (its
-// default on this device) over the same inputs, at odd lengths, both head_dims, GQA 32/8 and 4/1,
-// batch 1 and 3: out within the dtype's storage tolerance, lse (fp32 in both, from the same 16-bit
-// inputs) within 1e-5. The default path must be the Hopper kernel itself: its out and lse equal a
-// direct launch's bit for bit (the kernel is deterministic). Inputs are drawn on the device (the
-// largest shape holds 32M values a tensor); the CPU is the oracle of both in the other tests.
+// default on this device; each of its kernels) over the same inputs, at odd lengths, both
+// head_dims, GQA 32/8 and 4/1, batch 1 and 3: out within the dtype's storage tolerance, lse (fp32
+// in both, from the same 16-bit inputs) within 1e-5. The path taken must be the chosen Hopper
+// kernel itself: its out and lse equal a direct launch's under the same choice bit for bit (the
+// kernels are deterministic). Inputs are drawn on the device (the largest shape holds 32M values a
+// tensor); the CPU is the oracle of all in the other tests.
 TEST_F(CudaHopperAttentionTest, BackendForwardMatchesForcedV2AtOddShapes) {
   struct Heads {
     int64_t heads, kv_heads;
@@ -140,34 +165,36 @@ TEST_F(CudaHopperAttentionTest, BackendForwardMatchesForcedV2AtOddShapes) {
               const FlashVersionsScope forced_v2(flash_versions_with_hopper(false));
               gpu().attention_flash_forward(v2_out, v2_lse, q, k, v, none, dims);
             }
-            DeviceTensor out = poisoned(type, q_shape), lse = poisoned(DType::f32, rows);
-            {
-              const FlashVersionsScope hopper(flash_versions_with_hopper(true));
+            const std::vector<float> v2_out_values = v2_out.floats(), v2_lse_values = v2_lse.floats();
+            for (const HopperVariant& variant : kHopperVariants) {
+              SCOPED_TRACE(variant.name);
+              const FlashVersionsScope kernel(versions_with_variant(variant));
+              DeviceTensor out = poisoned(type, q_shape), lse = poisoned(DType::f32, rows);
               gpu().attention_flash_forward(out, lse, q, k, v, none, dims);
-            }
-            const cuda::FlashTensors direct_tensors = cuda::flash_forward_tensors(out, lse, q, k, v);
-            ASSERT_TRUE(cuda::flash_forward_hopper_serves(params_of(c), direct_tensors));
-            DeviceTensor direct_out = poisoned(type, q_shape), direct_lse = poisoned(DType::f32, rows);
-            ASSERT_TRUE(cuda::launch_flash_forward_hopper(
-                params_of(c), cuda::flash_forward_tensors(direct_out, direct_lse, q, k, v), nullptr));
-            ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+              const cuda::FlashTensors direct_tensors = cuda::flash_forward_tensors(out, lse, q, k, v);
+              ASSERT_TRUE(cuda::flash_forward_hopper_serves(params_of(c), direct_tensors));
+              DeviceTensor direct_out = poisoned(type, q_shape), direct_lse = poisoned(DType::f32, rows);
+              ASSERT_TRUE(cuda::launch_flash_forward_hopper(
+                  params_of(c), cuda::flash_forward_tensors(direct_out, direct_lse, q, k, v), nullptr));
+              ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 
-            const std::vector<float> out_values = out.floats(), lse_values = lse.floats();
-            EXPECT_TRUE(out_values == direct_out.floats()) << "the default forward is not the Hopper kernel";
-            EXPECT_TRUE(lse_values == direct_lse.floats()) << "the default forward is not the Hopper kernel";
-            bool finite_out = false, finite_lse = false;
-            const double out_error = relative_error(out_values, v2_out.floats(), finite_out);
-            const double lse_error = relative_error(lse_values, v2_lse.floats(), finite_lse);
-            EXPECT_TRUE(finite_out && finite_lse);
-            EXPECT_LT(out_error, storage_tolerance(type)) << "out, hopper vs v2";
-            EXPECT_LT(lse_error, 1e-5) << "lse, hopper vs v2";
+              const std::vector<float> out_values = out.floats(), lse_values = lse.floats();
+              EXPECT_TRUE(out_values == direct_out.floats()) << "the backend's forward is not the chosen Hopper kernel";
+              EXPECT_TRUE(lse_values == direct_lse.floats()) << "the backend's forward is not the chosen Hopper kernel";
+              bool finite_out = false, finite_lse = false;
+              const double out_error = relative_error(out_values, v2_out_values, finite_out);
+              const double lse_error = relative_error(lse_values, v2_lse_values, finite_lse);
+              EXPECT_TRUE(finite_out && finite_lse);
+              EXPECT_LT(out_error, storage_tolerance(type)) << "out, hopper vs v2";
+              EXPECT_LT(lse_error, 1e-5) << "lse, hopper vs v2";
+            }
           }
   EXPECT_EQ(cudaGetLastError(), cudaSuccess);
 }
 
-// The existing flash backward fed each forward's out and lse (the Hopper forward's, forward v2's)
-// with the same d_out: dq, dk and dv agree within the dtype's storage tolerance (the two outs
-// differ by rounding, which reaches the gradients through delta = rowsum(dO * O)).
+// The existing flash backward fed each forward's out and lse (each Hopper kernel's, forward v2's)
+// with the same d_out: dq, dk and dv agree within the dtype's storage tolerance (the outs differ
+// by rounding, which reaches the gradients through delta = rowsum(dO * O)).
 TEST_F(CudaHopperAttentionTest, BackwardOnHopperForwardMatchesBackwardOnV2) {
   const Config configs[] = {{1, 77, 4, 1, 64},     {3, 1000, 32, 8, 128}, {1, 2600, 4, 1, 128},
                             {3, 1, 32, 8, 64},     {1, 1000, 32, 8, 64},  {3, 2600, 4, 1, 64}};
@@ -188,8 +215,8 @@ TEST_F(CudaHopperAttentionTest, BackwardOnHopperForwardMatchesBackwardOnV2) {
       struct Gradients {
         std::vector<float> dq, dk, dv;
       };
-      auto backward_after = [&](bool hopper) {
-        const FlashVersionsScope choice(flash_versions_with_hopper(hopper));
+      auto backward_after = [&](const cuda::FlashVersions& versions) {
+        const FlashVersionsScope choice(versions);
         const Tensor none;
         DeviceTensor out = poisoned(type, q_shape), lse = poisoned(DType::f32, rows);
         gpu().attention_flash_forward(out, lse, q, k, v, none, dims);
@@ -198,10 +225,14 @@ TEST_F(CudaHopperAttentionTest, BackwardOnHopperForwardMatchesBackwardOnV2) {
         gpu().attention_flash_backward(dq, dk, dv, delta, dq_accum, d_out, out, lse, q, k, v, none, dims);
         return Gradients{dq.floats(), dk.floats(), dv.floats()};
       };
-      const Gradients on_v2 = backward_after(false), on_hopper = backward_after(true);
-      expect_close("dq, backward on hopper vs on v2", on_hopper.dq, on_v2.dq, storage_tolerance(type));
-      expect_close("dk, backward on hopper vs on v2", on_hopper.dk, on_v2.dk, storage_tolerance(type));
-      expect_close("dv, backward on hopper vs on v2", on_hopper.dv, on_v2.dv, storage_tolerance(type));
+      const Gradients on_v2 = backward_after(flash_versions_with_hopper(false));
+      for (const HopperVariant& variant : kHopperVariants) {
+        SCOPED_TRACE(variant.name);
+        const Gradients on_hopper = backward_after(versions_with_variant(variant));
+        expect_close("dq, backward on hopper vs on v2", on_hopper.dq, on_v2.dq, storage_tolerance(type));
+        expect_close("dk, backward on hopper vs on v2", on_hopper.dk, on_v2.dk, storage_tolerance(type));
+        expect_close("dv, backward on hopper vs on v2", on_hopper.dv, on_v2.dv, storage_tolerance(type));
+      }
     }
   EXPECT_EQ(cudaGetLastError(), cudaSuccess);
 }
@@ -212,7 +243,8 @@ TEST_F(CudaHopperAttentionTest, BackwardOnHopperForwardMatchesBackwardOnV2) {
 // sample, samples across the 128-key blocks); ids that come back after others, ids that fall, a
 // last token whose id is the first token's (its query block must start at key block 0), every token
 // its own sample, and a row that is one sample. The backend's own forward (default: the Hopper
-// forward) must give the direct launch's out and lse bit for bit on packed rows too.
+// forward) must give the direct launch's out and lse bit for bit on packed rows too. Both kernels,
+// on the same inputs.
 TEST_F(CudaHopperAttentionTest, PackedRowsMatchCpu) {
   for (const hopper::PackedCase& test_case : hopper::packed_cases())
     for (const DType type : {DType::bf16, DType::f16}) {
@@ -225,32 +257,37 @@ TEST_F(CudaHopperAttentionTest, PackedRowsMatchCpu) {
 
       DeviceTensor q = upload(ref.q), k = upload(ref.k), v = upload(ref.v), d_out = upload(ref.d_out);
       DeviceTensor ids = upload(hids);
-      DeviceTensor out = poisoned(type, ref.q.shape), lse = poisoned(DType::f32, rows);
       const cuda::AttentionParams p = cuda::attention_params_of(dims, ids);
-      ASSERT_TRUE(cuda::launch_flash_forward_hopper(p, cuda::flash_forward_tensors(out, lse, q, k, v), nullptr));
-      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-      const std::vector<float> out_values = out.floats(), lse_values = lse.floats();
-      expect_close("hopper packed out", out_values, ref.out.floats(), storage_tolerance(type));
-      expect_close("hopper packed lse", lse_values, ref.lse.floats(), 1e-4);
+      for (const HopperVariant& variant : kHopperVariants) {
+        SCOPED_TRACE(variant.name);
+        const FlashVersionsScope kernel(versions_with_variant(variant));
+        DeviceTensor out = poisoned(type, ref.q.shape), lse = poisoned(DType::f32, rows);
+        ASSERT_TRUE(cuda::launch_flash_forward_hopper(p, cuda::flash_forward_tensors(out, lse, q, k, v), nullptr));
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        const std::vector<float> out_values = out.floats(), lse_values = lse.floats();
+        expect_close("hopper packed out", out_values, ref.out.floats(), storage_tolerance(type));
+        expect_close("hopper packed lse", lse_values, ref.lse.floats(), 1e-4);
 
-      DeviceTensor backend_out = poisoned(type, ref.q.shape), backend_lse = poisoned(DType::f32, rows);
-      gpu().attention_flash_forward(backend_out, backend_lse, q, k, v, ids, dims);
-      EXPECT_TRUE(backend_out.floats() == out_values) << "the default forward is not the Hopper kernel";
-      EXPECT_TRUE(backend_lse.floats() == lse_values) << "the default forward is not the Hopper kernel";
+        DeviceTensor backend_out = poisoned(type, ref.q.shape), backend_lse = poisoned(DType::f32, rows);
+        gpu().attention_flash_forward(backend_out, backend_lse, q, k, v, ids, dims);
+        EXPECT_TRUE(backend_out.floats() == out_values) << "the backend's forward is not the chosen Hopper kernel";
+        EXPECT_TRUE(backend_lse.floats() == lse_values) << "the backend's forward is not the chosen Hopper kernel";
 
-      DeviceTensor dq = poisoned(type, ref.q.shape), dk = poisoned(type, ref.k.shape), dv = poisoned(type, ref.k.shape);
-      DeviceTensor delta = poisoned(DType::f32, rows), dq_accum = poisoned(DType::f32, ref.q.shape);
-      gpu().attention_flash_backward(dq, dk, dv, delta, dq_accum, d_out, out, lse, q, k, v, ids, dims);
-      expect_close("backward on hopper packed forward dq", dq.floats(), ref.dq.floats(), storage_tolerance(type));
-      expect_close("backward on hopper packed forward dk", dk.floats(), ref.dk.floats(), storage_tolerance(type));
-      expect_close("backward on hopper packed forward dv", dv.floats(), ref.dv.floats(), storage_tolerance(type));
+        DeviceTensor dq = poisoned(type, ref.q.shape), dk = poisoned(type, ref.k.shape),
+                     dv = poisoned(type, ref.k.shape);
+        DeviceTensor delta = poisoned(DType::f32, rows), dq_accum = poisoned(DType::f32, ref.q.shape);
+        gpu().attention_flash_backward(dq, dk, dv, delta, dq_accum, d_out, out, lse, q, k, v, ids, dims);
+        expect_close("backward on hopper packed forward dq", dq.floats(), ref.dq.floats(), storage_tolerance(type));
+        expect_close("backward on hopper packed forward dk", dk.floats(), ref.dk.floats(), storage_tolerance(type));
+        expect_close("backward on hopper packed forward dv", dv.floats(), ref.dv.floats(), storage_tolerance(type));
+      }
     }
 }
 
-// A timing print, not a test (its only assertions: the Hopper forward's out and lse agree with
-// forward v2's): the Hopper forward beside forward v2 (the backend's attention_flash_forward with
-// the Hopper forward turned off) and,
-// in builds with cuDNN, cuDNN's forward, at the shapes of CudnnAttentionTest.TimingPrintCudnnVsFlash.
+// A timing print, not a test (its only assertions: each Hopper kernel's out and lse agree with
+// forward v2's): the Hopper forward (both kernels: FlashVersions::forward_hopper_overlap off and
+// on) beside forward v2 (the backend's attention_flash_forward with the Hopper forward turned off)
+// and, in builds with cuDNN, cuDNN's forward, at the shapes of CudnnAttentionTest.TimingPrintCudnnVsFlash.
 // TFLOP/s with FA2's causal count (half the S x S products, 2 GEMMs: 4 * pairs * head_dim).
 TEST_F(CudaHopperAttentionTest, TimingPrintHopperForward) {
   for (const Config c : {Config{8, 2048, 32, 8, 128}, Config{2, 8192, 32, 8, 128}, Config{1, 32768, 32, 8, 128},
@@ -264,14 +301,25 @@ TEST_F(CudaHopperAttentionTest, TimingPrintHopperForward) {
     gpu().fill_random(k, Backend::Distribution::uniform, -1.5f, 1.5f, 12);
     gpu().fill_random(v, Backend::Distribution::uniform, -1.0f, 1.0f, 13);
     DeviceTensor out(gpu(), DType::bf16, q_shape), lse(gpu(), DType::f32, rows);
+    DeviceTensor overlap_out(gpu(), DType::bf16, q_shape), overlap_lse(gpu(), DType::f32, rows);
     DeviceTensor v2_out(gpu(), DType::bf16, q_shape), v2_lse(gpu(), DType::f32, rows);
     const Tensor none;
     const cuda::AttentionParams p = params_of(c);
     const cuda::FlashTensors t = cuda::flash_forward_tensors(out, lse, q, k, v);
-    ASSERT_TRUE(cuda::launch_flash_forward_hopper(p, t, nullptr)) << label(c, DType::bf16);
+    const cuda::FlashTensors overlap_t = cuda::flash_forward_tensors(overlap_out, overlap_lse, q, k, v);
 
     auto time_ms = [](const std::function<void()>& run) { return median_event_ms(run, 3); };
-    const double hopper = time_ms([&] { cuda::launch_flash_forward_hopper(p, t, nullptr); });
+    double hopper = 0.0, overlap = 0.0;
+    {
+      const FlashVersionsScope kernel(versions_with_variant(kHopperVariants[0]));
+      ASSERT_TRUE(cuda::launch_flash_forward_hopper(p, t, nullptr)) << label(c, DType::bf16);
+      hopper = time_ms([&] { cuda::launch_flash_forward_hopper(p, t, nullptr); });
+    }
+    {
+      const FlashVersionsScope kernel(versions_with_variant(kHopperVariants[1]));
+      ASSERT_TRUE(cuda::launch_flash_forward_hopper(p, overlap_t, nullptr)) << label(c, DType::bf16);
+      overlap = time_ms([&] { cuda::launch_flash_forward_hopper(p, overlap_t, nullptr); });
+    }
     double v2 = 0.0;
     {
       const FlashVersionsScope forced_v2(flash_versions_with_hopper(false));
@@ -290,16 +338,21 @@ TEST_F(CudaHopperAttentionTest, TimingPrintHopperForward) {
     auto tflops = [&](double ms) { return flops / (ms * 1e-3) / 1e12; };
     std::printf("TIMING attention forward %s causal (median of 7):\n", label(c, DType::bf16).c_str());
     std::printf("  hopper (wgmma+TMA) %8.3f ms %7.1f TFLOP/s\n", hopper, tflops(hopper));
+    std::printf("  hopper overlap     %8.3f ms %7.1f TFLOP/s\n", overlap, tflops(overlap));
     std::printf("  v2 (mma.sync)      %8.3f ms %7.1f TFLOP/s\n", v2, tflops(v2));
     if (cudnn > 0.0) std::printf("  cudnn              %8.3f ms %7.1f TFLOP/s\n", cudnn, tflops(cudnn));
 
-    bool finite_out = false, finite_lse = false;
-    const double out_error = relative_error(out.floats(), v2_out.floats(), finite_out);
-    const double lse_error = relative_error(lse.floats(), v2_lse.floats(), finite_lse);
-    std::printf("  hopper vs v2: out %.2e, lse %.2e (relative norm)\n", out_error, lse_error);
-    EXPECT_TRUE(finite_out && finite_lse) << label(c, DType::bf16);
-    EXPECT_LT(out_error, storage_tolerance(DType::bf16)) << label(c, DType::bf16);
-    EXPECT_LT(lse_error, 1e-4) << label(c, DType::bf16);
+    const std::vector<float> v2_out_values = v2_out.floats(), v2_lse_values = v2_lse.floats();
+    for (const auto& [name, kernel_out, kernel_lse] :
+         {std::tuple{"hopper", &out, &lse}, std::tuple{"hopper overlap", &overlap_out, &overlap_lse}}) {
+      bool finite_out = false, finite_lse = false;
+      const double out_error = relative_error(kernel_out->floats(), v2_out_values, finite_out);
+      const double lse_error = relative_error(kernel_lse->floats(), v2_lse_values, finite_lse);
+      std::printf("  %s vs v2: out %.2e, lse %.2e (relative norm)\n", name, out_error, lse_error);
+      EXPECT_TRUE(finite_out && finite_lse) << name << " " << label(c, DType::bf16);
+      EXPECT_LT(out_error, storage_tolerance(DType::bf16)) << name << " " << label(c, DType::bf16);
+      EXPECT_LT(lse_error, 1e-4) << name << " " << label(c, DType::bf16);
+    }
     EXPECT_EQ(cudaGetLastError(), cudaSuccess);
   }
 }

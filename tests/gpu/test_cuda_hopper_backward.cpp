@@ -558,18 +558,27 @@ TEST(FlashVersionsEnvironment, BackwardOrderValuesSetTheOrderAndAnUnknownOneAbor
       "MEMTUNE_FLASH_BACKWARD_ORDER takes keys, rising or falling");
 }
 
-// MEMTUNE_FLASH_FORWARD, likewise: hopper (or unset) and v2 set whether the Hopper forward runs;
+// MEMTUNE_FLASH_FORWARD, likewise: hopper (or unset) and v2 set whether the Hopper forward runs,
+// hopper-overlap runs it with its pipelined kernel (FlashVersions::forward_hopper_overlap);
 // anything else aborts.
 TEST(FlashVersionsEnvironment, ForwardValuesSetTheVersionAndAnUnknownOneAborts) {
   GTEST_FLAG_SET(death_test_style, "threadsafe");
-  auto exit_code = [](bool hopper) { return cuda::flash_versions().forward_hopper == hopper ? 0 : 1; };
-  for (const auto& [value, hopper] : {std::pair{"", true}, std::pair{"hopper", true}, std::pair{"v2", false}}) {
-    SCOPED_TRACE(value);
+  auto exit_code = [](bool hopper, bool overlap) {
+    const cuda::FlashVersions versions = cuda::flash_versions();
+    return versions.forward_hopper == hopper && versions.forward_hopper_overlap == overlap ? 0 : 1;
+  };
+  struct Case {
+    const char* value;  // "": unset
+    bool hopper, overlap;
+  };
+  for (const Case& c : {Case{"", true, false}, Case{"hopper", true, false}, Case{"hopper-overlap", true, true},
+                        Case{"v2", false, false}}) {
+    SCOPED_TRACE(c.value);
     EXPECT_EXIT(
         {
-          if (*value == 0) ::unsetenv("MEMTUNE_FLASH_FORWARD");
-          else ::setenv("MEMTUNE_FLASH_FORWARD", value, 1);
-          std::exit(exit_code(hopper));
+          if (*c.value == 0) ::unsetenv("MEMTUNE_FLASH_FORWARD");
+          else ::setenv("MEMTUNE_FLASH_FORWARD", c.value, 1);
+          std::exit(exit_code(c.hopper, c.overlap));
         },
         ::testing::ExitedWithCode(0), "");
   }
@@ -578,7 +587,7 @@ TEST(FlashVersionsEnvironment, ForwardValuesSetTheVersionAndAnUnknownOneAborts) 
         ::setenv("MEMTUNE_FLASH_FORWARD", "v3", 1);
         (void)cuda::flash_versions();
       },
-      "MEMTUNE_FLASH_FORWARD takes v2 or hopper");
+      "MEMTUNE_FLASH_FORWARD takes v2, hopper or hopper-overlap");
 }
 
 }  // namespace

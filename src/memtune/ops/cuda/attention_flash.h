@@ -51,6 +51,13 @@ struct FlashVersions {
                                         // 9.0, the sm_90a object in the build) where it serves the
                                         // call, else forward v2; false: forward v2 always.
                                         // MEMTUNE_FLASH_FORWARD=v2 sets the start value false
+  bool forward_hopper_overlap = false;  // the Hopper forward's kernel with FlashAttention-3's
+                                        // intra-warpgroup pipelining (attention_hopper_forward.cu:
+                                        // one key block's softmax under the block before's
+                                        // O += P V); false: each wgmma group waited for at once.
+                                        // Not yet timed on a GPU. MEMTUNE_FLASH_FORWARD=
+                                        // hopper-overlap sets the start value true (and
+                                        // forward_hopper's)
   bool backward_hopper = true;          // the Hopper backward's main pass (attention_hopper.h) where
                                         // it serves the call, else backward v2's; false: v2 always.
                                         // 1.06-1.68x backward v2 on an H100 (bench/NOTES.md).

@@ -601,10 +601,27 @@ T environment_choice(const char* name, T unset, const EnvironmentValue<T> (&choi
                     __LINE__);
 }
 
-// Whether the Hopper forward may run (MEMTUNE_FLASH_FORWARD: unset or hopper, yes; v2, no); read once.
+// MEMTUNE_FLASH_FORWARD, read once: unset or "hopper" (the Hopper forward where it serves the
+// call), "hopper-overlap" (its kernel with the intra-warpgroup pipelining) or "v2" (forward v2).
+struct ForwardChoice {
+  bool hopper = FlashVersions{}.forward_hopper;
+  bool overlap = FlashVersions{}.forward_hopper_overlap;
+};
+const ForwardChoice& forward_environment() {
+  static const ForwardChoice choice = environment_choice<ForwardChoice>(
+      "MEMTUNE_FLASH_FORWARD", ForwardChoice{},
+      {{"v2", {false, false}}, {"hopper", {true, false}}, {"hopper-overlap", {true, true}}});
+  return choice;
+}
+
+// Whether the Hopper forward may run, and which of its kernels: their start values from the environment.
 std::atomic<bool>& forward_hopper_flag() {
-  static std::atomic<bool> flag{environment_choice<bool>("MEMTUNE_FLASH_FORWARD", true,
-                                                         {{"v2", false}, {"hopper", true}})};
+  static std::atomic<bool> flag{forward_environment().hopper};
+  return flag;
+}
+
+std::atomic<bool>& forward_hopper_overlap_flag() {
+  static std::atomic<bool> flag{forward_environment().overlap};
   return flag;
 }
 
@@ -680,6 +697,7 @@ std::atomic<int>& forward_rescale_slack_value() {
 FlashVersions flash_versions() {
   FlashVersions versions;
   versions.forward_hopper = forward_hopper_flag().load(std::memory_order_relaxed);
+  versions.forward_hopper_overlap = forward_hopper_overlap_flag().load(std::memory_order_relaxed);
   versions.backward_hopper = backward_hopper_flag().load(std::memory_order_relaxed);
   versions.backward_hopper_dq = backward_dq_value().load(std::memory_order_relaxed);
   versions.backward_hopper_order = backward_order_value().load(std::memory_order_relaxed);
@@ -693,6 +711,7 @@ FlashVersions flash_versions() {
 
 void set_flash_versions(const FlashVersions& versions) {
   forward_hopper_flag().store(versions.forward_hopper, std::memory_order_relaxed);
+  forward_hopper_overlap_flag().store(versions.forward_hopper_overlap, std::memory_order_relaxed);
   backward_hopper_flag().store(versions.backward_hopper, std::memory_order_relaxed);
   backward_dq_value().store(versions.backward_hopper_dq, std::memory_order_relaxed);
   backward_order_value().store(versions.backward_hopper_order, std::memory_order_relaxed);

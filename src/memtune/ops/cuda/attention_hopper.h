@@ -4,7 +4,10 @@
 // head_dim], out and the fp32 natural-log logsumexp lse [batch, n_heads, seq], so the existing
 // flash backward consumes what it writes. attention_flash_forward (the backend's own flash forward)
 // calls it first where FlashVersions::forward_hopper holds (attention_flash.h; the default, off
-// with MEMTUNE_FLASH_FORWARD=v2) and runs forward v2 where it refuses the call.
+// with MEMTUNE_FLASH_FORWARD=v2) and runs forward v2 where it refuses the call. It has two kernels
+// of the same contract: the default, and one with FlashAttention-3's intra-warpgroup pipelining
+// (a key block's softmax under the block before's O += P V), which it launches where
+// FlashVersions::forward_hopper_overlap holds (off by default; MEMTUNE_FLASH_FORWARD=hopper-overlap).
 #pragma once
 
 #include <cuda_runtime_api.h>

@@ -123,6 +123,13 @@ __device__ __forceinline__ uint64_t swizzled_descriptor(uint32_t address, uint32
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// Waits until at most `kPending` of the warpgroup's committed wgmma groups are still running (the
+// groups complete in the order they were committed): with two groups in flight, 1 waits for the
+// older alone.
+template <int kPending>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
+}
 
 // Pins an accumulator array in place around the asynchronous wgmma: the compiler must neither
 // read it between a wgmma and its wait (the values are not there yet) nor move writes to it past
