@@ -16,7 +16,6 @@
 #include <cstdlib>
 #include <functional>
 #include <string>
-#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -46,13 +45,12 @@ using hopper::segment_ids;
 // (bulk, rows_falling): the other ways are compared against it.
 cuda::FlashVersions versions_with_hopper_backward(bool on, cuda::HopperDq dq = cuda::HopperDq::pairs,
                                                   cuda::HopperOrder order = cuda::HopperOrder::keys_first,
-                                                  int row_group = 0, bool overlap = false) {
+                                                  int row_group = 0) {
   cuda::FlashVersions versions = cuda::flash_versions();
   versions.backward_hopper = on;
   versions.backward_hopper_dq = dq;
   versions.backward_hopper_order = order;
   versions.backward_hopper_row_group = row_group;
-  versions.backward_hopper_overlap = overlap;
   return versions;
 }
 
@@ -116,9 +114,8 @@ class CudaHopperBackwardTest : public CudaTest {
   Gradients backend_backward(bool hopper, DType type, const Config& c, const Tensor& d_out, const Tensor& out,
                              const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
                              const Tensor& segments = Tensor{}, cuda::HopperDq dq_mode = cuda::HopperDq::pairs,
-                             cuda::HopperOrder order = cuda::HopperOrder::keys_first, int row_group = 0,
-                             bool overlap = false) {
-    const FlashVersionsScope choice(versions_with_hopper_backward(hopper, dq_mode, order, row_group, overlap));
+                             cuda::HopperOrder order = cuda::HopperOrder::keys_first, int row_group = 0) {
+    const FlashVersionsScope choice(versions_with_hopper_backward(hopper, dq_mode, order, row_group));
     const AttentionDims dims = test::attention_dims_of(c);
     const Shape q_shape = q.shape, kv_shape = k.shape, rows{c.batch * c.heads * c.seq};
     DeviceTensor dq = poisoned(type, q_shape), dk = poisoned(type, kv_shape), dv = poisoned(type, kv_shape);
@@ -158,15 +155,6 @@ TEST_F(CudaHopperBackwardTest, BackwardMatchesCpu) {
         expect_close("hopper backward dq", hopper.dq, ref.dq.floats(), storage_tolerance(type));
         expect_close("hopper backward dk", hopper.dk, ref.dk.floats(), storage_tolerance(type));
         expect_close("hopper backward dv", hopper.dv, ref.dv.floats(), storage_tolerance(type));
-      }
-      {
-        // The kernel that overlaps its elementwise work with its wgmmas (rows_falling, bulk dQ).
-        SCOPED_TRACE("overlap");
-        const Gradients overlap = backend_backward(true, type, c, d_out, out, lse, q, k, v, Tensor{},
-                                                   cuda::HopperDq::bulk, cuda::HopperOrder::rows_falling, 0, true);
-        expect_close("hopper overlap backward dq", overlap.dq, ref.dq.floats(), storage_tolerance(type));
-        expect_close("hopper overlap backward dk", overlap.dk, ref.dk.floats(), storage_tolerance(type));
-        expect_close("hopper overlap backward dv", overlap.dv, ref.dv.floats(), storage_tolerance(type));
       }
     }
   EXPECT_EQ(cudaGetLastError(), cudaSuccess);
@@ -274,22 +262,6 @@ TEST_F(CudaHopperBackwardTest, BackendBackwardMatchesV2AtOddShapes) {
                 EXPECT_TRUE(finite) << what << ": non-finite values (unwritten or NaN)";
               }
             }
-
-            // The kernel that overlaps its elementwise work with its wgmmas: the same arithmetic in the
-            // same order as the rows_falling kernel without it, so dk and dv bit for bit; dq (reduce-adds
-            // in a run-dependent order) within the tolerance.
-            {
-              SCOPED_TRACE("overlap vs rows_falling");
-              const Gradients plain = backend_backward(true, type, c, d_out, out, lse, q, k, v, none,
-                                                       cuda::HopperDq::bulk, cuda::HopperOrder::rows_falling);
-              const Gradients overlap = backend_backward(true, type, c, d_out, out, lse, q, k, v, none,
-                                                         cuda::HopperDq::bulk, cuda::HopperOrder::rows_falling, 0, true);
-              EXPECT_TRUE(overlap.dk == plain.dk) << "dk differs";
-              EXPECT_TRUE(overlap.dv == plain.dv) << "dv differs";
-              finite = false;
-              EXPECT_LT(relative_error(overlap.dq, plain.dq, finite), storage_tolerance(type)) << "dq";
-              EXPECT_TRUE(finite) << "dq: non-finite values (unwritten or NaN)";
-            }
           }
   EXPECT_EQ(cudaGetLastError(), cudaSuccess);
 }
@@ -319,14 +291,12 @@ TEST_F(CudaHopperBackwardTest, PackedRowsMatchCpu) {
       const Gradients v2 = backend_backward(false, type, c, d_out, out, lse, q, k, v, ids);
       // Each way of adding dQ in the keys_first order, and the other orders (with the bulk way, the
       // only one built for them).
-      // And rows_falling with the overlap of elementwise work and wgmmas.
-      std::vector<std::tuple<cuda::HopperDq, cuda::HopperOrder, bool>> runs;
-      for (const cuda::HopperDq dq : kDqModes) runs.emplace_back(dq, cuda::HopperOrder::keys_first, false);
-      for (const cuda::HopperOrder order : kRowOrders) runs.emplace_back(cuda::HopperDq::bulk, order, false);
-      runs.emplace_back(cuda::HopperDq::bulk, cuda::HopperOrder::rows_falling, true);
-      for (const auto& [dq, order, overlap] : runs) {
-        SCOPED_TRACE(std::string(dq_mode_name(dq)) + ", " + order_name(order) + (overlap ? ", overlap" : ""));
-        const Gradients hopper = backend_backward(true, type, c, d_out, out, lse, q, k, v, ids, dq, order, 0, overlap);
+      std::vector<std::pair<cuda::HopperDq, cuda::HopperOrder>> runs;
+      for (const cuda::HopperDq dq : kDqModes) runs.emplace_back(dq, cuda::HopperOrder::keys_first);
+      for (const cuda::HopperOrder order : kRowOrders) runs.emplace_back(cuda::HopperDq::bulk, order);
+      for (const auto& [dq, order] : runs) {
+        SCOPED_TRACE(std::string(dq_mode_name(dq)) + ", " + order_name(order));
+        const Gradients hopper = backend_backward(true, type, c, d_out, out, lse, q, k, v, ids, dq, order);
         expect_close("hopper packed dq", hopper.dq, ref.dq.floats(), storage_tolerance(type));
         expect_close("hopper packed dk", hopper.dk, ref.dk.floats(), storage_tolerance(type));
         expect_close("hopper packed dv", hopper.dv, ref.dv.floats(), storage_tolerance(type));
@@ -449,20 +419,16 @@ TEST_F(CudaHopperBackwardTest, TimingPrintHopperBackward) {
     // dQ by bulk reduce-adds in each order: keys_first; rising and falling with groups of the
     // default size (0); falling with 1, 2, 4 and 8 rows a group (the group size trades the tail of
     // the launch, bench/backward_schedule.py, against how much of the accumulator a group touches).
-    // Last, falling with the default groups and the overlap of elementwise work and wgmmas.
-    constexpr int kOrderRuns = 8;
+    constexpr int kOrderRuns = 7;
     const cuda::HopperOrder run_order[kOrderRuns] = {cuda::HopperOrder::keys_first, kRowOrders[0], kRowOrders[1],
-                                                     kRowOrders[1], kRowOrders[1], kRowOrders[1], kRowOrders[1],
-                                                     kRowOrders[1]};
-    const int run_row_group[kOrderRuns] = {0, 0, 0, 1, 2, 4, 8, 0};
-    const bool run_overlap[kOrderRuns] = {false, false, false, false, false, false, false, true};
+                                                     kRowOrders[1], kRowOrders[1], kRowOrders[1], kRowOrders[1]};
+    const int run_row_group[kOrderRuns] = {0, 0, 0, 1, 2, 4, 8};
     double main_pass_order[kOrderRuns] = {}, hopper_order[kOrderRuns] = {};
     for (int i = 0; i < kOrderRuns; ++i) {
       const NvtxScope nvtx(range + "_" + variant_range_name(cuda::HopperDq::bulk, run_order[i]) +
-                           (run_row_group[i] > 0 ? "_r" + std::to_string(run_row_group[i]) : "") +
-                           (run_overlap[i] ? "_overlap" : ""));
-      const FlashVersionsScope other(versions_with_hopper_backward(true, cuda::HopperDq::bulk, run_order[i],
-                                                                   run_row_group[i], run_overlap[i]));
+                           (run_row_group[i] > 0 ? "_r" + std::to_string(run_row_group[i]) : ""));
+      const FlashVersionsScope other(
+          versions_with_hopper_backward(true, cuda::HopperDq::bulk, run_order[i], run_row_group[i]));
       main_pass_order[i] = time_ms([&] { cuda::launch_flash_backward_hopper(params_of(c), t, nullptr); });
       hopper_order[i] = time_ms([&] {
         gpu().attention_flash_backward(dq, dk, dv, delta, dq_accum, d_out, out, lse, q, k, v, none, dims);
@@ -499,7 +465,6 @@ TEST_F(CudaHopperBackwardTest, TimingPrintHopperBackward) {
     std::printf("  the same, main pass only                     %8.3f ms %7.1f TFLOP/s\n", main_pass, tflops(main_pass));
     for (int i = 0; i < kOrderRuns; ++i) {
       const std::string group_size = run_order[i] == cuda::HopperOrder::keys_first ? ""
-                                     : run_overlap[i]       ? "overlap"
                                      : run_row_group[i] > 0 ? std::to_string(run_row_group[i]) + " rows a group"
                                                             : "default groups";
       std::printf("  hopper, TMA, %-26s %-16s %8.3f ms %7.1f TFLOP/s (main pass only %.3f ms, %.1f TFLOP/s)\n",
@@ -528,38 +493,40 @@ TEST_F(CudaHopperBackwardTest, TimingPrintHopperBackward) {
 // been read yet.
 TEST(FlashVersionsEnvironment, BackwardValuesSetTheVersionsAndAnUnknownOneAborts) {
   GTEST_FLAG_SET(death_test_style, "threadsafe");
-  auto exit_code = [](bool hopper, cuda::HopperDq dq, bool overlap) {
+  auto exit_code = [](bool hopper, cuda::HopperDq dq) {
     const cuda::FlashVersions versions = cuda::flash_versions();
-    return versions.backward_hopper == hopper && versions.backward_hopper_dq == dq &&
-                   versions.backward_hopper_overlap == overlap
-               ? 0
-               : 1;
+    return versions.backward_hopper == hopper && versions.backward_hopper_dq == dq ? 0 : 1;
   };
-  struct Case {
-    const char* value;  // "": unset
-    bool hopper;
-    cuda::HopperDq dq;
-    bool overlap;
-  };
-  for (const Case& c : {Case{"", true, cuda::HopperDq::bulk, false}, Case{"hopper", true, cuda::HopperDq::bulk, false},
-                        Case{"hopper-overlap", true, cuda::HopperDq::bulk, true},
-                        Case{"hopper-pairs", true, cuda::HopperDq::pairs, false},
-                        Case{"v2", false, cuda::HopperDq::bulk, false}}) {
-    SCOPED_TRACE(c.value);
-    EXPECT_EXIT(
-        {
-          if (*c.value == 0) ::unsetenv("MEMTUNE_FLASH_BACKWARD");
-          else ::setenv("MEMTUNE_FLASH_BACKWARD", c.value, 1);
-          std::exit(exit_code(c.hopper, c.dq, c.overlap));
-        },
-        ::testing::ExitedWithCode(0), "");
-  }
+  EXPECT_EXIT(
+      {
+        ::unsetenv("MEMTUNE_FLASH_BACKWARD");
+        std::exit(exit_code(true, cuda::HopperDq::bulk));
+      },
+      ::testing::ExitedWithCode(0), "");
+  EXPECT_EXIT(
+      {
+        ::setenv("MEMTUNE_FLASH_BACKWARD", "hopper", 1);
+        std::exit(exit_code(true, cuda::HopperDq::bulk));
+      },
+      ::testing::ExitedWithCode(0), "");
+  EXPECT_EXIT(
+      {
+        ::setenv("MEMTUNE_FLASH_BACKWARD", "v2", 1);
+        std::exit(exit_code(false, cuda::HopperDq::bulk));
+      },
+      ::testing::ExitedWithCode(0), "");
+  EXPECT_EXIT(
+      {
+        ::setenv("MEMTUNE_FLASH_BACKWARD", "hopper-pairs", 1);
+        std::exit(exit_code(true, cuda::HopperDq::pairs));
+      },
+      ::testing::ExitedWithCode(0), "");
   EXPECT_DEATH(
       {
         ::setenv("MEMTUNE_FLASH_BACKWARD", "hopper-fast", 1);
         (void)cuda::flash_versions();
       },
-      "MEMTUNE_FLASH_BACKWARD takes v2, hopper, hopper-overlap or hopper-pairs");
+      "MEMTUNE_FLASH_BACKWARD takes v2, hopper or hopper-pairs");
 }
 
 // MEMTUNE_FLASH_BACKWARD_ORDER, likewise: keys (or unset), rising, falling; anything else aborts.

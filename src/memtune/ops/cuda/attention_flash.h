@@ -75,12 +75,6 @@ struct FlashVersions {
                                                                  // d64 on an H100 (bench/NOTES.md);
                                                                  // MEMTUNE_FLASH_BACKWARD_ORDER=keys,
                                                                  // rising or falling sets the start value
-  bool backward_hopper_overlap = false;  // the Hopper backward's kernel that makes P^T and dS^T
-                                         // while its next wgmma groups run (dP^T, dV), in the
-                                         // rows_* orders with bulk dQ (else ignored); the same
-                                         // dK and dV bits. Not yet timed on a GPU.
-                                         // MEMTUNE_FLASH_BACKWARD=hopper-overlap sets it (and
-                                         // backward_hopper, bulk dQ)
   int backward_hopper_row_group = 0;  // rows a group in the rows_* orders; 0: as many groups as
                                       // hold two waves of blocks each, the rows shared evenly
   int forward_keys = 0;                 // keys per block: 32 or 64 (where shared memory allows),

@@ -626,21 +626,16 @@ std::atomic<bool>& forward_hopper_overlap_flag() {
 }
 
 // MEMTUNE_FLASH_BACKWARD, read once: unset or "hopper" (the Hopper backward, dQ by bulk
-// reduce-adds of shared-memory tiles), "hopper-overlap" (the same with its elementwise work beside
-// the next wgmma groups), "hopper-pairs" (dQ by 2-float reductions, in the keys_first order) or
-// "v2" (backward v2).
+// reduce-adds of shared-memory tiles), "hopper-pairs" (dQ by 2-float reductions, in the keys_first
+// order) or "v2" (backward v2).
 struct BackwardChoice {
   bool hopper = true;
   HopperDq dq = FlashVersions{}.backward_hopper_dq;
-  bool overlap = FlashVersions{}.backward_hopper_overlap;
 };
 const BackwardChoice& backward_environment() {
   static const BackwardChoice choice = environment_choice<BackwardChoice>(
       "MEMTUNE_FLASH_BACKWARD", BackwardChoice{},
-      {{"v2", {false, FlashVersions{}.backward_hopper_dq, false}},
-       {"hopper", {}},
-       {"hopper-overlap", {true, HopperDq::bulk, true}},
-       {"hopper-pairs", {true, HopperDq::pairs, false}}});
+      {{"v2", {false, FlashVersions{}.backward_hopper_dq}}, {"hopper", {}}, {"hopper-pairs", {true, HopperDq::pairs}}});
   return choice;
 }
 
@@ -665,11 +660,6 @@ std::atomic<HopperOrder>& backward_order_value() {
     return environment_choice("MEMTUNE_FLASH_BACKWARD_ORDER", FlashVersions{}.backward_hopper_order, choices);
   }()};
   return order;
-}
-
-std::atomic<bool>& backward_overlap_flag() {
-  static std::atomic<bool> flag{backward_environment().overlap};
-  return flag;
 }
 
 std::atomic<int>& backward_row_group_value() {
@@ -712,7 +702,6 @@ FlashVersions flash_versions() {
   versions.backward_hopper_dq = backward_dq_value().load(std::memory_order_relaxed);
   versions.backward_hopper_order = backward_order_value().load(std::memory_order_relaxed);
   versions.backward_hopper_row_group = backward_row_group_value().load(std::memory_order_relaxed);
-  versions.backward_hopper_overlap = backward_overlap_flag().load(std::memory_order_relaxed);
   versions.forward_keys = forward_keys_value().load(std::memory_order_relaxed);
   versions.forward_grid_per_head = forward_grid_per_head_flag().load(std::memory_order_relaxed);
   versions.forward_rescale_always = forward_rescale_always_flag().load(std::memory_order_relaxed);
@@ -727,7 +716,6 @@ void set_flash_versions(const FlashVersions& versions) {
   backward_dq_value().store(versions.backward_hopper_dq, std::memory_order_relaxed);
   backward_order_value().store(versions.backward_hopper_order, std::memory_order_relaxed);
   backward_row_group_value().store(versions.backward_hopper_row_group, std::memory_order_relaxed);
-  backward_overlap_flag().store(versions.backward_hopper_overlap, std::memory_order_relaxed);
   forward_keys_value().store(versions.forward_keys, std::memory_order_relaxed);
   forward_grid_per_head_flag().store(versions.forward_grid_per_head, std::memory_order_relaxed);
   forward_rescale_always_flag().store(versions.forward_rescale_always, std::memory_order_relaxed);

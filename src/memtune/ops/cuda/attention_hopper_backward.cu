@@ -36,13 +36,10 @@
 //  - The order of blocks and items (kRows; HopperOrder in attention_flash.h): key blocks slowest
 //    (keys_first), or rows slowest with a block's items query block by query block (rows_*; the
 //    default is rows_falling).
-//  - kOverlap (FlashVersions::backward_hopper_overlap, MEMTUNE_FLASH_BACKWARD=hopper-overlap; off
-//    by default until a GPU has timed it): S^T and dP^T in two wgmma groups, P^T made while dP^T's
-//    wgmmas run and dS^T while dV's run, instead of each group waited for before its results are
-//    used. Built for the bulk way in the rows_* orders only.
 // Not done yet (FA3's later steps): a producer warp with setmaxnreg, overlap of one query block's
-// elementwise work with the next block's GEMMs, dQ's bulk reduce-adds issued from a separate warp,
-// deterministic dQ, and 2 blocks an SM at head_dim 64.
+// softmax with the next block's GEMMs (every wgmma group is waited for before its results are
+// used), dQ's bulk reduce-adds issued from a separate warp, deterministic dQ, and 2 blocks an SM
+// at head_dim 64.
 //
 // Shared memory (from a 1024-aligned base): K and V [chunks][128 keys][128 bytes] each; two stages
 // of Q and dO [chunks][64 queries][128 bytes]; two dS^T buffers [128 keys][64 queries x 2 bytes]
@@ -146,7 +143,7 @@ __device__ __forceinline__ void dq_product(float (&acc)[kChunkColumns / 2], uint
 // (args.segments): a query sees a key only where their ids are equal. kRows: one of the rows_*
 // orders (args.order; HopperOrder), else keys_first; a template argument so that the keys_first
 // kernels carry none of the other orders' arithmetic (registers).
-template <int D, bool kBf16, bool kSegments, int kDq, bool kRows, bool kOverlap = false>
+template <int D, bool kBf16, bool kSegments, int kDq, bool kRows>
 __global__ void __launch_bounds__(kBackwardThreads, 1)
     flash_backward_hopper(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
                           const __grid_constant__ CUtensorMap v_map, const __grid_constant__ CUtensorMap do_map,
@@ -305,191 +302,106 @@ __global__ void __launch_bounds__(kBackwardThreads, 1)
 
     mbarrier_wait(kv_full + 8 * (1 + stage), parity);
     if (active) {
+      // S^T = K Q^T and dP^T = V dO^T, 64 keys x 64 queries each, one commit group.
       float s[kBackwardQueries / 2], dp[kBackwardQueries / 2];
-      uint32_t p[kBackwardQueries / 16][4], ds[kBackwardQueries / 16][4];
       const uint64_t q_rows = swizzled_descriptor(q_tile, 16, kSwizzlePeriodBytes);
       const uint64_t do_rows = swizzled_descriptor(do_tile, 16, kSwizzlePeriodBytes);
-      // S^T = K Q^T and dP^T = V dO^T, 64 keys x 64 queries each (uncommitted).
-      auto issue_scores = [&] {
+      pin_registers(s);
+      pin_registers(dp);
+      wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-          const uint32_t a_step = (kk / 4) * L::kKvChunkBytes + (kk % 4) * 32;
-          const uint32_t b_step = (kk / 4) * L::kQChunkBytes + (kk % 4) * 32;
-          wgmma_m64_shared<kBackwardQueries, kBf16>(s, k_rows + (a_step >> 4), q_rows + (b_step >> 4), kk > 0);
-        }
-      };
-      auto issue_probability_grads = [&] {
+      for (int kk = 0; kk < D / 16; ++kk) {
+        const uint32_t a_step = (kk / 4) * L::kKvChunkBytes + (kk % 4) * 32;
+        const uint32_t b_step = (kk / 4) * L::kQChunkBytes + (kk % 4) * 32;
+        wgmma_m64_shared<kBackwardQueries, kBf16>(s, k_rows + (a_step >> 4), q_rows + (b_step >> 4), kk > 0);
+      }
 #pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-          const uint32_t a_step = (kk / 4) * L::kKvChunkBytes + (kk % 4) * 32;
-          const uint32_t b_step = (kk / 4) * L::kQChunkBytes + (kk % 4) * 32;
-          wgmma_m64_shared<kBackwardQueries, kBf16>(dp, v_rows + (a_step >> 4), do_rows + (b_step >> 4), kk > 0);
-        }
-      };
+      for (int kk = 0; kk < D / 16; ++kk) {
+        const uint32_t a_step = (kk / 4) * L::kKvChunkBytes + (kk % 4) * 32;
+        const uint32_t b_step = (kk / 4) * L::kQChunkBytes + (kk % 4) * 32;
+        wgmma_m64_shared<kBackwardQueries, kBf16>(dp, v_rows + (a_step >> 4), do_rows + (b_step >> 4), kk > 0);
+      }
+      wgmma_commit();
+      wgmma_wait_all();
+      pin_registers(s);
+      pin_registers(dp);
+
       // P^T, masked: causality (query col sees key r iff key <= query), queries past seq (their
       // zero-filled lse would give P = 1), and on packed rows other segments. Masked scores become
       // -inf before the exponential (exp2(-inf) = 0). Only where some key of the warpgroup lies
       // past the block's first query, or the block runs past seq, or on packed rows.
-      auto mask_scores = [&] {
-        if (kSegments || wg_k0 + kWarpgroupRows - 1 > q0 || q0 + kBackwardQueries > seq) {
-#pragma unroll
-          for (int nt = 0; nt < kBackwardQueries / 8; ++nt)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              const int column = nt * 8 + 2 * thread_in_group + e;
-              const int query = q0 + column;
-              bool see_a = key_a <= query && query < seq, see_b = key_b <= query && query < seq;
-              if constexpr (kSegments) {
-                const int32_t query_id = query_ids[column];
-                see_a = see_a && query_id == id_a;
-                see_b = see_b && query_id == id_b;
-              }
-              if (!see_a) s[4 * nt + e] = -INFINITY;
-              if (!see_b) s[4 * nt + 2 + e] = -INFINITY;
-            }
-        }
-      };
-      // dS^T into this item's buffer for dQ (the 128-byte swizzle, rows = keys; the 4-byte stores
-      // of a warp hit 32 different banks, as the forward's epilogue), before the wgmmas below
-      // take the registers (their A registers may not be read until they complete).
-      auto store_score_grads = [&] {
-#pragma unroll
-        for (int nt = 0; nt < kBackwardQueries / 8; ++nt) {
-          const uint32_t packed_a = ds[nt / 2][(nt % 2) * 2], packed_b = ds[nt / 2][(nt % 2) * 2 + 1];
-          uint8_t* const tile = base_pointer + (ds_tile - base);
-          *reinterpret_cast<uint32_t*>(tile + row_a * kSwizzleRowBytes + ((nt ^ (row_a % 8)) * 16) +
-                                       thread_in_group * 4) = packed_a;
-          *reinterpret_cast<uint32_t*>(tile + row_b * kSwizzleRowBytes + ((nt ^ (row_b % 8)) * 16) +
-                                       thread_in_group * 4) = packed_b;
-        }
-      };
-      // In 16 bits as wgmma's A fragments: k-step kc (queries 16 kc .. 16 kc + 15) is the C
-      // fragments of n8 tiles 2 kc and 2 kc + 1.
-      auto pack_fragments = [&](uint32_t(&to)[kBackwardQueries / 16][4], const float(&from)[kBackwardQueries / 2]) {
-#pragma unroll
-        for (int kc = 0; kc < kBackwardQueries / 16; ++kc)
-#pragma unroll
-          for (int j = 0; j < 4; ++j) to[kc][j] = pack2<kBf16>(from[8 * kc + 2 * j], from[8 * kc + 2 * j + 1]);
-      };
-      // dV += P^T dO and dK += dS^T Q: dO and Q are [query][head_dim], the N-major form of B (16
-      // queries x head_dim), k-step kc 16 rows (2048 bytes, two swizzle periods) further; the
-      // leading byte offset is the distance between 64-column chunks.
-      auto issue_value_grads = [&](uint64_t do_columns) {
-#pragma unroll
-        for (int kc = 0; kc < kBackwardQueries / 16; ++kc)
-          wgmma_m64_registers<D, kBf16>(dv, p[kc], do_columns + ((kc * 16 * kSwizzleRowBytes) >> 4));
-      };
-      auto issue_key_grads = [&](uint64_t q_columns) {
-#pragma unroll
-        for (int kc = 0; kc < kBackwardQueries / 16; ++kc)
-          wgmma_m64_registers<D, kBf16>(dk, ds[kc], q_columns + ((kc * 16 * kSwizzleRowBytes) >> 4));
-      };
-
-      pin_registers(s);
-      pin_registers(dp);
-      wgmma_fence();
-      if constexpr (!kOverlap) {
-        // Each wgmma group waited for before its results are used: S^T and dP^T in one group,
-        // then P^T and dS^T, then dV and dK in one group.
-        issue_scores();
-        issue_probability_grads();
-        wgmma_commit();
-        wgmma_wait_all();
-        pin_registers(s);
-        pin_registers(dp);
-        mask_scores();
-        // P^T = exp2(S^T scale log2 e - lse log2 e) (one FFMA and one ex2 each, as the forward);
-        // dS^T = P^T (dP^T - D) scale, in place of dP^T.
+      if (kSegments || wg_k0 + kWarpgroupRows - 1 > q0 || q0 + kBackwardQueries > seq) {
 #pragma unroll
         for (int nt = 0; nt < kBackwardQueries / 8; ++nt)
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             const int column = nt * 8 + 2 * thread_in_group + e;
-            const float lse_log2 = lse_tile[column] * kLog2e, delta = delta_tile[column];
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-              const int i = 4 * nt + 2 * half + e;
-              s[i] = exp2_approx(fmaf(s[i], args.scale_log2, -lse_log2));
-              dp[i] = s[i] * (dp[i] - delta) * args.scale;
+            const int query = q0 + column;
+            bool see_a = key_a <= query && query < seq, see_b = key_b <= query && query < seq;
+            if constexpr (kSegments) {
+              const int32_t query_id = query_ids[column];
+              see_a = see_a && query_id == id_a;
+              see_b = see_b && query_id == id_b;
             }
+            if (!see_a) s[4 * nt + e] = -INFINITY;
+            if (!see_b) s[4 * nt + 2 + e] = -INFINITY;
           }
-        // Both in 16 bits as wgmma's A fragments (pack_fragments, the two interleaved).
-#pragma unroll
-        for (int kc = 0; kc < kBackwardQueries / 16; ++kc)
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            p[kc][j] = pack2<kBf16>(s[8 * kc + 2 * j], s[8 * kc + 2 * j + 1]);
-            ds[kc][j] = pack2<kBf16>(dp[8 * kc + 2 * j], dp[8 * kc + 2 * j + 1]);
-          }
-        store_score_grads();
-        const uint64_t do_columns = swizzled_descriptor(do_tile, L::kQChunkBytes, kSwizzlePeriodBytes);
-        const uint64_t q_columns = swizzled_descriptor(q_tile, L::kQChunkBytes, kSwizzlePeriodBytes);
-        pin_registers(p);
-        pin_registers(ds);
-        pin_registers(dv);
-        pin_registers(dk);
-        wgmma_fence();
-        issue_value_grads(do_columns);
-        issue_key_grads(q_columns);
-        wgmma_commit();
-        wgmma_wait_all();
-      } else {
-        // S^T and dP^T in two groups: P^T is made (and dV's wgmmas issued) while dP^T's run, and
-        // dS^T while dV's run; dK's group last. The groups complete in the order they were
-        // committed, so wgmma_wait<1> waits for the older of two in flight. The same arithmetic
-        // on the same values as the kernel without the overlap, so the same dK and dV bits.
-        // (In the SASS: the exp2s and P's packing between the first WARPGROUP.DEPBAR.LE gsb0,
-        // 0x1 and dV's HGMMAs, dS^T between the second and dK's; no serialisation warning.)
-        issue_scores();
-        wgmma_commit();
-        issue_probability_grads();
-        wgmma_commit();
-        wgmma_wait<1>();  // S^T is complete; dP^T may still run
-        pin_registers(s);
-        mask_scores();
-        // P^T = exp2(S^T scale log2 e - lse log2 e).
-#pragma unroll
-        for (int nt = 0; nt < kBackwardQueries / 8; ++nt)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const float lse_log2 = lse_tile[nt * 8 + 2 * thread_in_group + e] * kLog2e;
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-              const int i = 4 * nt + 2 * half + e;
-              s[i] = exp2_approx(fmaf(s[i], args.scale_log2, -lse_log2));
-            }
-          }
-        pack_fragments(p, s);
-        const uint64_t do_columns = swizzled_descriptor(do_tile, L::kQChunkBytes, kSwizzlePeriodBytes);
-        const uint64_t q_columns = swizzled_descriptor(q_tile, L::kQChunkBytes, kSwizzlePeriodBytes);
-        pin_registers(p);
-        pin_registers(dv);
-        wgmma_fence();
-        issue_value_grads(do_columns);
-        wgmma_commit();
-        wgmma_wait<1>();  // dP^T is complete; dV's group may still run
-        pin_registers(dp);
-        // dS^T = P^T (dP^T - D) scale, in place of dP^T (P^T from s: p, dV's A, is not touched).
-#pragma unroll
-        for (int nt = 0; nt < kBackwardQueries / 8; ++nt)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const float delta = delta_tile[nt * 8 + 2 * thread_in_group + e];
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-              const int i = 4 * nt + 2 * half + e;
-              dp[i] = s[i] * (dp[i] - delta) * args.scale;
-            }
-          }
-        pack_fragments(ds, dp);
-        store_score_grads();
-        pin_registers(ds);
-        pin_registers(dk);
-        wgmma_fence();
-        issue_key_grads(q_columns);
-        wgmma_commit();
-        wgmma_wait_all();
       }
+      // P^T = exp2(S^T scale log2 e - lse log2 e) (one FFMA and one ex2 each, as the forward);
+      // dS^T = P^T (dP^T - D) scale, in place of dP^T.
+#pragma unroll
+      for (int nt = 0; nt < kBackwardQueries / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int column = nt * 8 + 2 * thread_in_group + e;
+          const float lse_log2 = lse_tile[column] * kLog2e, delta = delta_tile[column];
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int i = 4 * nt + 2 * half + e;
+            s[i] = exp2_approx(fmaf(s[i], args.scale_log2, -lse_log2));
+            dp[i] = s[i] * (dp[i] - delta) * args.scale;
+          }
+        }
+      // Both in 16 bits as wgmma's A fragments: k-step kc (queries 16 kc .. 16 kc + 15) is the
+      // C fragments of n8 tiles 2 kc and 2 kc + 1.
+      uint32_t p[kBackwardQueries / 16][4], ds[kBackwardQueries / 16][4];
+#pragma unroll
+      for (int kc = 0; kc < kBackwardQueries / 16; ++kc)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          p[kc][j] = pack2<kBf16>(s[8 * kc + 2 * j], s[8 * kc + 2 * j + 1]);
+          ds[kc][j] = pack2<kBf16>(dp[8 * kc + 2 * j], dp[8 * kc + 2 * j + 1]);
+        }
+      // dS^T into this item's buffer for dQ (the 128-byte swizzle, rows = keys; the 4-byte stores
+      // of a warp hit 32 different banks, as the forward's epilogue), before the wgmmas below
+      // take the registers (their A registers may not be read until they complete).
+#pragma unroll
+      for (int nt = 0; nt < kBackwardQueries / 8; ++nt) {
+        const uint32_t packed_a = ds[nt / 2][(nt % 2) * 2], packed_b = ds[nt / 2][(nt % 2) * 2 + 1];
+        uint8_t* const tile = base_pointer + (ds_tile - base);
+        *reinterpret_cast<uint32_t*>(tile + row_a * kSwizzleRowBytes + ((nt ^ (row_a % 8)) * 16) + thread_in_group * 4) =
+            packed_a;
+        *reinterpret_cast<uint32_t*>(tile + row_b * kSwizzleRowBytes + ((nt ^ (row_b % 8)) * 16) + thread_in_group * 4) =
+            packed_b;
+      }
+      // dV += P^T dO and dK += dS^T Q: dO and Q are [query][head_dim], the N-major form of B (16
+      // queries x head_dim), k-step kc 16 rows (2048 bytes, two swizzle periods) further; the
+      // leading byte offset is the distance between 64-column chunks.
+      const uint64_t do_columns = swizzled_descriptor(do_tile, L::kQChunkBytes, kSwizzlePeriodBytes);
+      const uint64_t q_columns = swizzled_descriptor(q_tile, L::kQChunkBytes, kSwizzlePeriodBytes);
+      pin_registers(p);
+      pin_registers(ds);
+      pin_registers(dv);
+      pin_registers(dk);
+      wgmma_fence();
+#pragma unroll
+      for (int kc = 0; kc < kBackwardQueries / 16; ++kc)
+        wgmma_m64_registers<D, kBf16>(dv, p[kc], do_columns + ((kc * 16 * kSwizzleRowBytes) >> 4));
+#pragma unroll
+      for (int kc = 0; kc < kBackwardQueries / 16; ++kc)
+        wgmma_m64_registers<D, kBf16>(dk, ds[kc], q_columns + ((kc * 16 * kSwizzleRowBytes) >> 4));
+      wgmma_commit();
+      wgmma_wait_all();
       pin_registers(dv);
       pin_registers(dk);
     }
@@ -606,7 +518,7 @@ __global__ void __launch_bounds__(kBackwardThreads, 1)
 
 // ================================ host side =====================================================
 
-template <int D, bool kBf16, int kDq, bool kRows, bool kOverlap>
+template <int D, bool kBf16, int kDq, bool kRows>
 bool launch_backward(const AttentionParams& p, const FlashTensors& t, HopperOrder order, int row_group,
                      cudaStream_t stream) {
   constexpr int bytes = BackwardLayout<D, kDq == kDqBulk>::kSharedBytes;
@@ -649,8 +561,8 @@ bool launch_backward(const AttentionParams& p, const FlashTensors& t, HopperOrde
     allow_shared(kernel, bytes);
     kernel<<<blocks, kBackwardThreads, bytes, stream>>>(q_map, k_map, v_map, do_map, dq_map, args);
   };
-  if (p.segments != nullptr) launch(flash_backward_hopper<D, kBf16, true, kDq, kRows, kOverlap>);
-  else launch(flash_backward_hopper<D, kBf16, false, kDq, kRows, kOverlap>);
+  if (p.segments != nullptr) launch(flash_backward_hopper<D, kBf16, true, kDq, kRows>);
+  else launch(flash_backward_hopper<D, kBf16, false, kDq, kRows>);
   MT_CUDA_CHECK_LAUNCH();
   return true;
 }
@@ -680,26 +592,21 @@ bool launch_flash_backward_hopper(const AttentionParams& p, const FlashTensors& 
   const HopperDq dq = versions.backward_hopper_dq;
   const HopperOrder order = versions.backward_hopper_order;
   const int row_group = versions.backward_hopper_row_group;
-  auto launch = [&](auto dq_mode, auto rows, auto overlap) {
+  auto launch = [&](auto dq_mode, auto rows) {
     constexpr int kDq = decltype(dq_mode)::value;
-    constexpr bool kRows = decltype(rows)::value, kOverlap = decltype(overlap)::value;
+    constexpr bool kRows = decltype(rows)::value;
     const bool bf16 = t.q_type == DType::bf16;
     if (p.head_dim == 64)
-      return bf16 ? launch_backward<64, true, kDq, kRows, kOverlap>(p, t, order, row_group, stream)
-                  : launch_backward<64, false, kDq, kRows, kOverlap>(p, t, order, row_group, stream);
-    return bf16 ? launch_backward<128, true, kDq, kRows, kOverlap>(p, t, order, row_group, stream)
-                : launch_backward<128, false, kDq, kRows, kOverlap>(p, t, order, row_group, stream);
+      return bf16 ? launch_backward<64, true, kDq, kRows>(p, t, order, row_group, stream)
+                  : launch_backward<64, false, kDq, kRows>(p, t, order, row_group, stream);
+    return bf16 ? launch_backward<128, true, kDq, kRows>(p, t, order, row_group, stream)
+                : launch_backward<128, false, kDq, kRows>(p, t, order, row_group, stream);
   };
   // The 2-float reductions are built in the keys_first order only, the rows_* orders with the bulk
-  // way only (HopperOrder), the overlap (FlashVersions::backward_hopper_overlap) with the bulk way
-  // in the rows_* orders only (the default's; elsewhere it is ignored).
-  if (dq == HopperDq::pairs)
-    return launch(std::integral_constant<int, kDqPairs>{}, std::false_type{}, std::false_type{});
-  if (order == HopperOrder::keys_first)
-    return launch(std::integral_constant<int, kDqBulk>{}, std::false_type{}, std::false_type{});
-  if (versions.backward_hopper_overlap)
-    return launch(std::integral_constant<int, kDqBulk>{}, std::true_type{}, std::true_type{});
-  return launch(std::integral_constant<int, kDqBulk>{}, std::true_type{}, std::false_type{});
+  // way only (HopperOrder).
+  if (dq == HopperDq::pairs) return launch(std::integral_constant<int, kDqPairs>{}, std::false_type{});
+  if (order == HopperOrder::keys_first) return launch(std::integral_constant<int, kDqBulk>{}, std::false_type{});
+  return launch(std::integral_constant<int, kDqBulk>{}, std::true_type{});
 }
 
 }  // namespace memtune::cuda
