@@ -37,11 +37,11 @@
 #         Nsight Compute on each order's main pass and cuDNN's backward
 #     s   the seventh session's call: the GPU tests of --stream_layers, the Hopper forward and the
 #         backward test fixed then (TEST_FILTER), configuration 3 with 0, 6 and 8 frozen layers
-#         streamed (lora16-offload-opt, lora16-stream6, lora16-stream8) and 70B QLoRA under --vram 24GiB
-#         (qlora70b-24g), then Unsloth's
-#         configuration 3 (16-bit LoRA) beside them in the same call; with BASE_BIN_DIR, that build's
-#         Hopper attention timings between them (a kernel change's A/B); compute-sanitizer on the
-#         Hopper kernels' correctness tests before Unsloth
+#         streamed (lora16-offload-opt, lora16-stream6, lora16-stream8) and 70B QLoRA under
+#         --vram 24GiB (qlora70b-24g); with BASE_BIN_DIR, that build's Hopper attention timings
+#         after them (a kernel change's A/B on the same machine)
+#     s2  call s's second half: compute-sanitizer on the Hopper kernels' correctness tests, then
+#         Unsloth's configuration 3 (16-bit LoRA)
 #     ab  a kernel change's call: the whole GPU test suite (TEST_FILTER, default all) and compute-sanitizer
 #         (AB_PARTS, default tests,sanitizer), then memtune's
 #         configurations 1 and 3 (AB_CONFIGS) with BIN_DIR and with BASE_BIN_DIR (required)
@@ -171,14 +171,16 @@ case "$CALL" in
     ;;
   s)
     GTEST_FILTER=${TEST_FILTER:-'CudaStepTest.StreamedLayers*:CudaHopperAttentionTest.*:CudaHopperBackwardTest.BackendBackwardMatchesV2AtOddShapes'} \
-      TEST_TIMEOUT=${TEST_TIMEOUT:-150} CONFIGS=${CONFIGS:-lora16-offload-opt,lora16-stream6,lora16-stream8,qlora70b-24g} CONFIG_STEPS=6 \
-      check "$BIN_DIR" tests,configs
+      TEST_TIMEOUT=${TEST_TIMEOUT:-150} CONFIGS=${CONFIGS:-lora16-offload-opt,lora16-stream6,lora16-stream8,qlora70b-24g} \
+      CONFIG_STEPS=6 CONFIG_TIMEOUT=${CONFIG_TIMEOUT:-200} check "$BIN_DIR" tests,configs
     # With BASE_BIN_DIR (an older memtune_gpu_tests.gz and its libgomp): its attention timings, the
     # A/B of a kernel change on the same machine.
     [ -n "${BASE_BIN_DIR:-}" ] && GTEST_FILTER=${BASE_TEST_FILTER:-'CudaHopperBackwardTest.TimingPrintHopperBackward:CudaHopperAttentionTest.TimingPrintHopperForward'} \
       TEST_TIMEOUT=120 check "$BASE_BIN_DIR" tests
-    # compute-sanitizer on the Hopper kernels' correctness tests (both forward kernels), then Unsloth
-    # last: a call cut at 600 s loses only it.
+    ;;
+  s2)
+    # The second half of call s (which with it ran past 600 s): compute-sanitizer on the Hopper
+    # kernels' correctness tests (both forward kernels), then Unsloth's configuration 3.
     SANITIZER_TIMEOUT=${SANITIZER_TIMEOUT:-150} \
       SANITIZER_FILTER=${SANITIZER_FILTER:-'CudaHopperAttentionTest.ForwardMatchesCpuAndFeedsTheBackward:CudaHopperAttentionTest.PackedRowsMatchCpu:CudaHopperBackwardTest.PackedRowsMatchCpu'} \
       check "$BIN_DIR" sanitizer-tests
