@@ -202,6 +202,9 @@ TEST(CliStreamLayers, ThePlanAndFitStreamLayersFromHostMemory) {
   EXPECT_EQ(streamed["host_categories"]["streamed_layers"].get<uint64_t>(), 6 * layer);
   EXPECT_EQ(streamed["run"]["stream_layers"], 6);
   EXPECT_EQ(resident["peak_bytes"].get<uint64_t>() - streamed["peak_bytes"].get<uint64_t>(), 4 * layer);
+  const Result text = run_memtune("plan " + lora16 + " --stream_layers 5");
+  EXPECT_NE(text.output.find("copied in before each use: layers 3, 9, 16, 22, 28 of 0-31"), std::string::npos)
+      << text.output;
   const Result too_many = run_memtune("plan " + lora16 + " --stream_layers 32");
   EXPECT_NE(too_many.exit_code, 0);
   EXPECT_NE(too_many.output.find("--stream_layers 32 of 32 decoder layers"), std::string::npos) << too_many.output;

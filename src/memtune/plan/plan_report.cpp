@@ -1,11 +1,13 @@
 #include "memtune/plan/plan_report.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <functional>
 
 #include "memtune/core/bytes.h"
+#include "memtune/parallel/sharded_base.h"
 #include "memtune/plan/fit.h"
 
 namespace memtune {
@@ -120,6 +122,12 @@ std::string format_plan(const Plan& plan, const RunConfig& run, const LlamaConfi
   out += fmt::format("  parameters: {} frozen, {} trainable; {} allocations planned in {:.3f} s\n",
                      plan.frozen_parameters, plan.trainable_parameters, plan.records.size(),
                      plan.seconds);
+  if (run.stream_layers > 0)
+    out += fmt::format("  streamed from host memory, copied in before each use: layers {} of 0-{}\n",
+                       fmt::join(streamed_layer_choice(static_cast<int>(model.num_hidden_layers),
+                                                       static_cast<int>(run.stream_layers)),
+                                 ", "),
+                       model.num_hidden_layers - 1);
   return out;
 }
 
