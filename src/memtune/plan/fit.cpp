@@ -37,8 +37,8 @@ constexpr Candidate kCandidates[] = {
      true, true, true, true},
 };
 
-// The fewest streamed layers (3 or more: one or two only add the two buffers) with which `run`
-// fits, token chunks fitted too; false (run at the most layers) when none does.
+// The fewest streamed layers with which `run` fits, token chunks fitted too
+// (fewest_streamed_layers); false (run at the most layers) when none does.
 bool fit_streamed_layers(RunConfig& run, const LlamaConfig& model, uint64_t budget, uint64_t context) {
   const int64_t chunks = run.mlp_chunk_tokens;
   const auto fits_with = [&](int64_t layers) {
@@ -46,17 +46,23 @@ bool fit_streamed_layers(RunConfig& run, const LlamaConfig& model, uint64_t budg
     run.mlp_chunk_tokens = chunks;
     return fit_token_chunks(run, model, budget, context);
   };
-  int64_t low = 3, high = model.num_hidden_layers - 1;  // the plan falls as layers rise
-  if (high < low || !fits_with(high)) return false;
-  while (low < high) {
-    const int64_t mid = (low + high) / 2;
-    if (fits_with(mid)) high = mid;
-    else low = mid + 1;
-  }
-  return fits_with(low);
+  // The search's last try may be another count: set the one found again.
+  const int64_t layers = fewest_streamed_layers(model, fits_with);
+  return layers > 0 && fits_with(layers);
 }
 
 }  // namespace
+
+int64_t fewest_streamed_layers(const LlamaConfig& model, const std::function<bool(int64_t layers)>& fits) {
+  int64_t low = 3, high = model.num_hidden_layers - 1;
+  if (high < low || !fits(high)) return 0;
+  while (low < high) {
+    const int64_t mid = (low + high) / 2;
+    if (fits(mid)) high = mid;
+    else low = mid + 1;
+  }
+  return low;
+}
 
 bool fit_token_chunks(RunConfig& run, const LlamaConfig& model, uint64_t budget, uint64_t context,
                       int world_size) {

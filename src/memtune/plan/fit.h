@@ -2,6 +2,7 @@
 // slowdown, and the largest micro-batch, that fit a VRAM budget.
 #pragma once
 
+#include <functional>
 #include <string>
 
 #include "memtune/train/run_config.h"
@@ -24,6 +25,11 @@ std::string fit_flags(const RunConfig& fitted);
 // limit) bounds the pinned host memory of the offload candidate.
 FitResult fit_run(const RunConfig& base, const LlamaConfig& model, uint64_t budget_bytes,
                   uint64_t context_bytes, uint64_t host_budget_bytes = 0);
+
+// --stream_layers: the fewest of the model's layers that, streamed, make `fits(layers)` true, searched
+// from 3 (one or two streamed layers only add the two layer-sized buffers) to all but one (the plan
+// falls as the count rises); 0 when even all but one do not.
+int64_t fewest_streamed_layers(const LlamaConfig& model, const std::function<bool(int64_t layers)>& fits);
 
 // Under a budget, an auto mlp_chunk_tokens (RunConfig::kAutoTokenChunks) becomes the largest
 // token chunk whose plan plus the context fits: the auto default first, then 2048, 1024, 512 and

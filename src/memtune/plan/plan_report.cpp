@@ -138,19 +138,16 @@ std::string fit_advice(const RunConfig& run, const LlamaConfig& model, uint64_t 
     std::function<bool(RunConfig&)> apply;  // false: not applicable
   };
   const auto planned = [&](const RunConfig& r) { return plan_run(r, model, device, world_size).arena_bytes; };
-  // --stream_layers: the fewest layers (3 or more; fewer only add the two buffers) that fit with
-  // nothing else changed, else all but one.
+  // --stream_layers: the fewest layers that fit with nothing else changed, else all but one.
   const int64_t layers = model.num_hidden_layers;
   int64_t stream = 0;
   if (world_size == 1 && run.stream_layers == 0 && !run.shard_base && layers >= 4) {
-    stream = layers - 1;
-    for (int64_t low = 3, high = layers - 1; low <= high;) {
-      const int64_t mid = (low + high) / 2;
+    stream = fewest_streamed_layers(model, [&](int64_t count) {
       RunConfig r = run;
-      r.stream_layers = mid;
-      if (planned(r) + context <= budget) stream = mid, high = mid - 1;
-      else low = mid + 1;
-    }
+      r.stream_layers = count;
+      return planned(r) + context <= budget;
+    });
+    if (stream == 0) stream = layers - 1;
   }
   const std::vector<Change> changes = {
       {"--shard_base (the frozen base split across the ranks)", [world_size](RunConfig& r) { if (world_size < 2 || r.shard_base) return false; r.shard_base = true; return true; }},
