@@ -1,7 +1,7 @@
 # Sourced by scripts/fuzz.sh and scripts/fuzz-long.sh: the seed corpus of each fuzz target, made
 # from files memtune reads in real use (one kind of input a target). Run from the repository root.
 #   corpus_for TARGET CORPUS_ROOT   copies the target's seeds into CORPUS_ROOT/<kind>, prints that folder
-FUZZ_TARGETS_ALL="fuzz_safetensors fuzz_model_config fuzz_adapter_config fuzz_tokenizer fuzz_dataset"
+FUZZ_TARGETS_ALL="fuzz_safetensors fuzz_model_config fuzz_adapter_config fuzz_tokenizer fuzz_dataset fuzz_run_config"
 fuzz_seeds() {
   local dir="$1/$2"; shift 2
   mkdir -p "$dir"
@@ -15,5 +15,6 @@ corpus_for() {
     fuzz_adapter_config) fuzz_seeds "$2" adapter_config tests/fixtures/golden/*/adapter/adapter_config.json ;;
     fuzz_tokenizer) fuzz_seeds "$2" tokenizer tests/fixtures/tokenizer/tiny_tokenizer.json ;;
     fuzz_dataset) fuzz_seeds "$2" dataset tests/fixtures/tokenizer/tiny_corpus.jsonl tests/fixtures/tokenizer/chat.jsonl ;;
+    fuzz_run_config) fuzz_seeds "$2" run_config configs/runs/*.yaml examples/*.yaml ;;
   esac
 }

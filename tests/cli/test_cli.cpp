@@ -198,10 +198,26 @@ TEST(CliErrors, BadInputGetsAClearMessageAndNonZeroExit) {
   const std::string big_id = write("big_id.jsonl", "{\"input_ids\": [1, 999999]}\n");
   const std::string bad_yaml = write("bad.yaml", "foo: 1\n");
   const std::string wrong_type_yaml = write("wrong.yaml", "lora_r: sixteen\n");
+  const std::string list_key_yaml = write("list_key.yaml", "[lora_r, lora_alpha]: 16\n");
+  const std::string twice_yaml = write("twice.yaml", "lora_r: 8\nlora_r: 16\n");
+  // Values that would train nothing, or NaN, without a word: refused by name.
+  const std::string infinite_epsilon_yaml = write("epsilon.yaml", "adam_epsilon: .inf\n");
+  const std::string infinite_alpha_yaml = write("alpha.yaml", "lora_alpha: .inf\n");
+  const std::string nan_clip_yaml = write("clip.yaml", "max_grad_norm: .nan\n");
+  const std::string huge_bucket_yaml = write("bucket.yaml", "ddp_bucket_cap_mb: 1e300\n");
+  fs::create_directories(dir / "folder.yaml");
   const std::vector<Case> cases = {
       {"plan --config " + bad_yaml, "unknown option 'foo'"},
       {"plan --config " + wrong_type_yaml, "'lora_r' has a value of the wrong type"},
       {"plan --config " + (dir / "none.yaml").string(), "cannot open run config"},
+      {"plan --config " + (dir / "folder.yaml").string(), "is a folder, not a YAML file"},
+      {"plan --config " + list_key_yaml, "an option's name must be a plain word"},
+      {"plan --config " + twice_yaml, "option 'lora_r' is given twice"},
+      {"plan --config " + infinite_epsilon_yaml, "adam_epsilon must be positive and finite"},
+      {"plan --config " + infinite_alpha_yaml, "lora_alpha must be positive and finite"},
+      {"plan --config " + nan_clip_yaml, "max_grad_norm must be a number"},
+      {"plan --config " + huge_bucket_yaml, "ddp_bucket_cap_mb 1e+300: expected a positive size"},
+      {"plan --weight_decay -0.1", "weight_decay must be >= 0 and finite"},
       {"plan --model " + (dir / "bad_type").string(), "unsupported model_type"},
       {"plan --model " + (dir / "missing_field").string(), "missing required field \"intermediate_size\""},
       {"plan --model " + (dir / "not_json").string(), "not valid JSON"},

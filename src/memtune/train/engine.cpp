@@ -113,7 +113,7 @@ Engine::Engine(Backend& backend, void* arena, uint64_t arena_bytes, const RunCon
     MT_USER_CHECK(!run.offload_optimizer,
                   "--offload_optimizer with data parallel: ZeRO-1 already splits AdamW's moments across the ranks; "
                   "drop --offload_optimizer");
-    MT_USER_CHECK(run.ddp_bucket_cap_mb > 0, "ddp_bucket_cap_mb {}: expected a positive size", run.ddp_bucket_cap_mb);
+    // run.validate() (through step_options above) bounded ddp_bucket_cap_mb: the bytes convert.
     DataParallelOptions options;
     options.bucket_bytes = std::max<uint64_t>(1, static_cast<uint64_t>(run.ddp_bucket_cap_mb * (1 << 20)));
     data_parallel_ = std::make_unique<DataParallelAdapters>(backend_, memory_, lora_, *communicator, options);

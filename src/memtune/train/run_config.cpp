@@ -64,12 +64,19 @@ void RunConfig::validate() const {
   MT_USER_CHECK(stream_layers == 0 || !shard_base, "stream_layers with shard_base: the sharded base already keeps "
                 "only a shard of each layer on a rank; use one or the other");
   MT_USER_CHECK(lora_r > 0, "lora_r must be >= 1");
-  MT_USER_CHECK(lora_alpha > 0, "lora_alpha must be positive");
+  MT_USER_CHECK(lora_alpha > 0 && std::isfinite(lora_alpha), "lora_alpha must be positive and finite");
   MT_USER_CHECK(lora_dropout >= 0 && lora_dropout < 1, "lora_dropout must be in [0, 1)");
   MT_USER_CHECK(learning_rate >= 0 && std::isfinite(learning_rate), "learning_rate must be >= 0");
   MT_USER_CHECK(adam_beta1 >= 0 && adam_beta1 < 1 && adam_beta2 >= 0 && adam_beta2 < 1,
                 "adam betas must be in [0, 1)");
-  MT_USER_CHECK(adam_epsilon > 0, "adam_epsilon must be positive");
+  // An infinite epsilon would make every update zero: a run that trains nothing, silently.
+  MT_USER_CHECK(adam_epsilon > 0 && std::isfinite(adam_epsilon), "adam_epsilon must be positive and finite");
+  MT_USER_CHECK(weight_decay >= 0 && std::isfinite(weight_decay), "weight_decay must be >= 0 and finite");
+  // <= 0 turns clipping off; NaN would too, silently (every comparison with it is false).
+  MT_USER_CHECK(!std::isnan(max_grad_norm), "max_grad_norm must be a number (<= 0 turns clipping off)");
+  // The bucket's bytes are an integer: a size past 1 TiB (or infinite) would not convert.
+  MT_USER_CHECK(ddp_bucket_cap_mb > 0 && ddp_bucket_cap_mb <= kMaxBucketCapMb,
+                "ddp_bucket_cap_mb {}: expected a positive size up to {} MiB", ddp_bucket_cap_mb, kMaxBucketCapMb);
   MT_USER_CHECK(max_steps >= 0, "max_steps must be >= 0");
   MT_USER_CHECK(warmup_steps >= 0, "warmup_steps must be >= 0");
   LoraConfig::parse_targets(lora_target_modules);

@@ -109,6 +109,7 @@ struct RunConfig {
   static constexpr int64_t kMaxSeqLength = int64_t{1} << 20;
   static constexpr int64_t kMaxMicroBatchTokens = int64_t{1} << 24;
   static constexpr int64_t kMaxLoraRank = int64_t{1} << 16;
+  static constexpr double kMaxBucketCapMb = 1 << 20;  // 1 TiB: bucket bytes fit 64 bits with room
   int64_t resolved_token_chunk_rows() const;
   StepOptions step_options() const;
   LoraConfig lora_config() const;

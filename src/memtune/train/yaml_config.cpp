@@ -2,25 +2,36 @@
 
 #include <yaml-cpp/yaml.h>
 
+#include <fstream>
 #include <functional>
 #include <map>
+#include <sstream>
 
 #include "memtune/core/error.h"
 
 namespace memtune {
 
 std::set<std::string> apply_run_yaml(const std::filesystem::path& path, RunConfig& run) {
+  std::error_code ec;
+  MT_USER_CHECK(!std::filesystem::is_directory(path, ec), "run config {} is a folder, not a YAML file", path.string());
+  std::ifstream in(path, std::ios::binary);
+  MT_USER_CHECK(in.good(), "cannot open run config {}", path.string());
+  std::ostringstream text;
+  text << in.rdbuf();
+  MT_USER_CHECK(!in.bad(), "cannot read run config {}", path.string());
+  return apply_run_yaml_text(text.str(), path.string(), run);
+}
+
+std::set<std::string> apply_run_yaml_text(const std::string& text, const std::string& name, RunConfig& run) {
   YAML::Node root;
   try {
-    root = YAML::LoadFile(path.string());
-  } catch (const YAML::BadFile&) {
-    mt_fail("cannot open run config {}", path.string());
+    root = YAML::Load(text);
   } catch (const YAML::Exception& e) {
-    mt_fail("{}: not valid YAML: {}", path.string(), e.what());
+    mt_fail("{}: not valid YAML: {}", name, e.what());
   }
   std::set<std::string> keys;
   if (root.IsNull()) return keys;
-  MT_USER_CHECK(root.IsMap(), "{}: expected a mapping of option: value", path.string());
+  MT_USER_CHECK(root.IsMap(), "{}: expected a mapping of option: value", name);
   using Setter = std::function<void(const YAML::Node&)>;
   auto set = [](auto& field) {
     return Setter([&field](const YAML::Node& n) { field = n.as<std::remove_reference_t<decltype(field)>>(); });
@@ -80,19 +91,22 @@ std::set<std::string> apply_run_yaml(const std::filesystem::path& path, RunConfi
   };
   bool bf16 = false, fp16 = false;
   for (const auto& item : root) {
-    const std::string key = item.first.as<std::string>();
+    // A key that is a list or a mapping (`[a, b]: 1`) has no name to look up.
+    MT_USER_CHECK(item.first.IsScalar(), "{}: an option's name must be a plain word, not a list or a mapping", name);
+    const std::string key = item.first.Scalar();
     auto it = setters.find(key);
-    MT_USER_CHECK(it != setters.end(), "{}: unknown option '{}'", path.string(), key);
+    MT_USER_CHECK(it != setters.end(), "{}: unknown option '{}'", name, key);
+    MT_USER_CHECK(!keys.contains(key), "{}: option '{}' is given twice", name, key);
     try {
       it->second(item.second);
+      if (key == "bf16") bf16 = item.second.as<bool>();
+      if (key == "fp16") fp16 = item.second.as<bool>();
     } catch (const YAML::Exception&) {
-      mt_fail("{}: option '{}' has a value of the wrong type", path.string(), key);
+      mt_fail("{}: option '{}' has a value of the wrong type", name, key);
     }
     keys.insert(key);
-    if (key == "bf16") bf16 = item.second.as<bool>();
-    if (key == "fp16") fp16 = item.second.as<bool>();
   }
-  MT_USER_CHECK(!(bf16 && fp16), "{}: bf16 and fp16 exclude each other", path.string());
+  MT_USER_CHECK(!(bf16 && fp16), "{}: bf16 and fp16 exclude each other", name);
   run.validate();
   return keys;
 }

@@ -14,4 +14,7 @@ namespace memtune {
 // defaults). Unknown keys and wrong types are errors naming the key.
 std::set<std::string> apply_run_yaml(const std::filesystem::path& path, RunConfig& run);
 
+// The same for a YAML text; `name` stands for the file in the errors.
+std::set<std::string> apply_run_yaml_text(const std::string& text, const std::string& name, RunConfig& run);
+
 }  // namespace memtune
