@@ -571,6 +571,8 @@ int run_cli(int argc, char** argv) {
     options.base = run;
     options.device = device;
     options.budget_bytes = vram.empty() ? 0 : parse_bytes(vram);
+    // No step measured would fill the table with zero tokens/s that read as measurements.
+    MT_USER_CHECK(ladder_steps >= 1, "--steps-per-rung {}: expected 1 or more", ladder_steps);
     options.steps = ladder_steps;
     options.quiet = quiet;
     options.isolate = isolate;
@@ -613,6 +615,7 @@ int run_cli(int argc, char** argv) {
       start = end + 1;
     }
     options.plan_only = plan_only;
+    MT_USER_CHECK(plan_only || sweep_steps >= 1, "--steps-per-point {}: expected 1 or more (or --plan-only)", sweep_steps);
     options.steps = sweep_steps;
     options.device = device;
     options.budget_bytes = vram.empty() ? 0 : parse_bytes(vram);
@@ -668,6 +671,14 @@ int run_cli(int argc, char** argv) {
   }
 
   // train
+  // Written so that NaN fails each check: a NaN or negative count would otherwise turn the option
+  // off without a word (every comparison with NaN is false).
+  MT_USER_CHECK(eval_split == 0 || (eval_split > 0 && eval_split < 1), "--eval_split {}: expected a fraction in (0, 1)",
+                eval_split);
+  MT_USER_CHECK(train_cmd->count("--num_train_epochs") == 0 || (num_train_epochs > 0 && num_train_epochs <= 1e6),
+                "--num_train_epochs {}: expected a positive number of epochs (up to 1e6)", num_train_epochs);
+  MT_USER_CHECK(save_steps >= 0, "--save_steps {}: expected 0 (no checkpoints before the end) or more", save_steps);
+  MT_USER_CHECK(eval_steps >= 0, "--eval_steps {}: expected 0 (evaluate at the end only) or more", eval_steps);
   MT_USER_CHECK(eval_path.empty() || eval_split == 0, "--eval_data and --eval_split exclude each other");
   MT_USER_CHECK(padding == "longest" || padding == "max_length", "--padding {}: expected longest or max_length", padding);
   MT_USER_CHECK(pad_to_multiple_of >= 1, "--pad_to_multiple_of {}: expected a positive number", pad_to_multiple_of);

@@ -167,7 +167,8 @@ int64_t steps_per_epoch(int64_t rows, int64_t batch, int64_t accumulation) {
 }
 
 int64_t steps_for_epochs(double num_train_epochs, int64_t rows, int64_t batch, int64_t accumulation) {
-  MT_USER_CHECK(num_train_epochs > 0, "--num_train_epochs {}: expected a positive number", num_train_epochs);
+  MT_USER_CHECK(num_train_epochs > 0 && std::isfinite(num_train_epochs), "--num_train_epochs {}: expected a positive number",
+                num_train_epochs);
   return static_cast<int64_t>(std::ceil(num_train_epochs * static_cast<double>(steps_per_epoch(rows, batch, accumulation))));
 }
 
