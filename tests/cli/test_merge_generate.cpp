@@ -415,4 +415,19 @@ TEST(CliExamples, RunYamlsAreReadableAndTheDatasetIsChatMessages) {
   EXPECT_GE(lines, 300);
 }
 
+// A KV cache larger than the machine is refused by name before anything is allocated (it ended
+// inside the CPU allocator with an internal error), and a length past the byte counts' bound too.
+TEST(CliGenerate, AKvCacheLargerThanTheMachineIsAClearError) {
+  // Llama 3.1 8B's KV cache for 16M tokens: ~2 TB, more than a host holds (refused before the
+  // weights are made, so the test allocates nothing).
+  const Result huge =
+      run_memtune("generate --model llama-3.1-8b --device cpu --prompt hi --max_new_tokens 16000000");
+  EXPECT_NE(huge.exit_code, 0) << huge.output;
+  EXPECT_NE(huge.output.find("generation needs"), std::string::npos) << huge.output;
+  EXPECT_EQ(huge.output.find("internal error"), std::string::npos) << huge.output;
+  const Result past = run_memtune("generate --model tiny --device cpu --prompt hi --max_new_tokens 9000000000000000000");
+  EXPECT_NE(past.exit_code, 0) << past.output;
+  EXPECT_NE(past.output.find("may hold at most 16777216 tokens"), std::string::npos) << past.output;
+}
+
 }  // namespace

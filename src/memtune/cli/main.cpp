@@ -84,6 +84,17 @@ void check_budget(const Plan& plan, const RunConfig& run, const LlamaConfig& mod
   mt_fail("run does not fit --vram {}: {}", vram, fit_advice(run, model, budget, context, plan.target));
 }
 
+// Without --vram a GPU run is held against the GPU's own memory: one that cannot fit is refused,
+// with the advice --vram would give at the GPU's size, instead of ending in cudaMalloc's abort.
+void check_gpu_capacity(const Plan& plan, const RunConfig& run, const LlamaConfig& model, const Backend& backend,
+                        uint64_t context) {
+  if (backend.device() != Device::cuda) return;
+  const uint64_t total = device_memory_total(backend);
+  if (total == 0 || plan.arena_bytes + context <= total) return;
+  mt_fail("run does not fit this GPU ({} in all, {} of it for the CUDA context and what else holds it): it plans {}; {}", format_bytes(total),
+          format_bytes(context), format_bytes(plan.arena_bytes), fit_advice(run, model, total, context, plan.target));
+}
+
 // On the CPU the arena is host memory: a run larger than the machine is refused before it
 // allocates, as --vram refuses one on the GPU, instead of failing inside the allocator. On the GPU
 // the pinned host memory of offload (activations, embeddings) is checked the same way: pinned
@@ -783,6 +794,7 @@ int run_cli(int argc, char** argv) {
   }
   // The context as it is on this GPU once the backend's handles exist (+ the lazy-load margin).
   check_budget(plan, run, model, vram, measured_context_reserve_bytes(*backend), launch.world_size);
+  if (vram.empty()) check_gpu_capacity(plan, run, model, *backend, measured_context_reserve_bytes(*backend));
   check_host_memory(plan, backend->device());
   const std::unique_ptr<Communicator> communicator = make_communicator(launch, backend->device());
   // --profile: the engine runs on a timing wrapper that the trainer switches on for the last step.

@@ -158,6 +158,12 @@ int run_generate(const OutputCommandOptions& o) {
   const std::vector<int32_t>& prompt = p.ids;
   InferenceSetup& setup = p.setup;
   Backend& backend = *p.backend;
+  // A bound that keeps the KV cache's byte count within 64 bits for any model memtune reads; the
+  // memory check (InferenceModel) refuses far less than this on a real machine.
+  constexpr int64_t kMaxGenerationTokens = int64_t{1} << 24;
+  MT_USER_CHECK(o.max_new_tokens <= kMaxGenerationTokens - static_cast<int64_t>(prompt.size()),
+                "--max_new_tokens {}: the prompt ({} tokens) and the new tokens may hold at most {} tokens",
+                o.max_new_tokens, prompt.size(), kMaxGenerationTokens);
   setup.generator.capacity = static_cast<int64_t>(prompt.size()) + o.max_new_tokens;
   // Longer prompts are prefilled in chunks (the later ones through the decode path).
   setup.generator.max_chunk = std::min<int64_t>(static_cast<int64_t>(prompt.size()), 4096);

@@ -5,8 +5,11 @@
 #include <numeric>
 #include <set>
 
+#include "memtune/core/bytes.h"
+#include "memtune/io/file_util.h"
 #include "memtune/io/json_util.h"
 #include "memtune/model/llama_config.h"
+#include "memtune/ops/device.h"
 
 namespace memtune {
 
@@ -240,6 +243,16 @@ InferenceModel::InferenceModel(Backend& backend, const LlamaConfig& config, cons
     const Parts plan(*meta, nullptr, 0, config_, setup, host_adapter);
     arena_bytes_ = plan.memory.allocator().high_water();
   }
+  // Refused by name before allocating: the KV cache of a long --max_new_tokens, or a model larger
+  // than the memory left, would otherwise end inside the allocator (an internal error on the CPU,
+  // cudaMalloc's abort on the GPU). 0: the amount is unknown, and the allocator decides.
+  const bool on_cpu = backend_.device() == Device::cpu;
+  const uint64_t available =
+      on_cpu ? host_memory_available() : device_memory_total(backend_) - device_memory_in_use(backend_);
+  MT_USER_CHECK(available == 0 || arena_bytes_ <= available,
+                "generation needs {} of {} memory (the weights, a KV cache for {} tokens, scratch) and {} is free; "
+                "ask for fewer --max_new_tokens, or use a shorter prompt, --dtype bf16 or --load_in_4bit",
+                format_bytes(arena_bytes_), on_cpu ? "host" : "GPU", setup.generator.capacity, format_bytes(available));
   arena_ = backend_.allocate_arena(arena_bytes_);
   try {
     parts_ = std::make_unique<Parts>(backend_, arena_, arena_bytes_, config_, setup, host_adapter);

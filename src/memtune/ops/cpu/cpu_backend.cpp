@@ -125,7 +125,9 @@ void* CpuBackend::allocate_arena(uint64_t bytes) {
                                                                    kArenaAlignment *
                                                                    kArenaAlignment);
   void* base = std::aligned_alloc(kArenaAlignment, rounded);
-  MT_ASSERT(base != nullptr, "cpu arena of {} bytes could not be allocated", bytes);
+  // The callers check the host's free memory first where it is known; this is the last word.
+  MT_USER_CHECK(base != nullptr, "cannot allocate {} bytes of host memory for the CPU arena: the machine has too "
+                "little free (memtune plan --device cpu shows what a run needs)", bytes);
   return base;
 }
 
