@@ -71,28 +71,21 @@ Tokenizer load_tokenizer(const std::string& path) {
 // `plan` is one rank's when world_size > 1 (plan_run with world_size: what `memtune plan
 // --world_size N` prints as the per-rank arena), and the budget is per GPU. `context` is what the
 // device holds outside the arena (ops/device.h): the budget holds the plan plus it, so that a run
-// accepted here stays inside --vram as nvidia-smi counts it.
-void check_budget(const Plan& plan, const RunConfig& run, const LlamaConfig& model, const std::string& vram,
-                  uint64_t context, int world_size = 1) {
-  if (vram.empty()) return;
-  const uint64_t budget = parse_bytes(vram);
+// accepted here stays inside the budget as nvidia-smi counts it. `budget_name` says what the
+// budget is in the refusal ("--vram 24GiB").
+void refuse_over_budget(const Plan& plan, const RunConfig& run, const LlamaConfig& model, uint64_t budget,
+                        const std::string& budget_name, uint64_t context, int world_size = 1) {
   if (plan.arena_bytes + context <= budget) return;
   if (world_size > 1)
-    mt_fail("one rank of {} does not fit --vram {}: it plans {} per rank{} + {} context; {}", world_size, vram,
+    mt_fail("one rank of {} does not fit {}: it plans {} per rank{} + {} context; {}", world_size, budget_name,
             format_bytes(plan.arena_bytes), run.shard_base ? " with the base sharded" : "", format_bytes(context),
             fit_advice(run, model, budget, context, plan.target, world_size));
-  mt_fail("run does not fit --vram {}: {}", vram, fit_advice(run, model, budget, context, plan.target));
+  mt_fail("run does not fit {}: {}", budget_name, fit_advice(run, model, budget, context, plan.target));
 }
 
-// Without --vram a GPU run is held against the GPU's own memory: one that cannot fit is refused,
-// with the advice --vram would give at the GPU's size, instead of ending in cudaMalloc's abort.
-void check_gpu_capacity(const Plan& plan, const RunConfig& run, const LlamaConfig& model, const Backend& backend,
-                        uint64_t context) {
-  if (backend.device() != Device::cuda) return;
-  const uint64_t total = device_memory_total(backend);
-  if (total == 0 || plan.arena_bytes + context <= total) return;
-  mt_fail("run does not fit this GPU ({} in all, {} of it for the CUDA context and what else holds it): it plans {}; {}", format_bytes(total),
-          format_bytes(context), format_bytes(plan.arena_bytes), fit_advice(run, model, total, context, plan.target));
+void check_budget(const Plan& plan, const RunConfig& run, const LlamaConfig& model, const std::string& vram,
+                  uint64_t context, int world_size = 1) {
+  if (!vram.empty()) refuse_over_budget(plan, run, model, parse_bytes(vram), "--vram " + vram, context, world_size);
 }
 
 // On the CPU the arena is host memory: a run larger than the machine is refused before it
@@ -793,8 +786,13 @@ int run_cli(int argc, char** argv) {
     std::cerr << format_rank_memory(plan_run(one_device, model), rank_memory(plan, launch.world_size, run.shard_base));
   }
   // The context as it is on this GPU once the backend's handles exist (+ the lazy-load margin).
-  check_budget(plan, run, model, vram, measured_context_reserve_bytes(*backend), launch.world_size);
-  if (vram.empty()) check_gpu_capacity(plan, run, model, *backend, measured_context_reserve_bytes(*backend));
+  const uint64_t measured_context = measured_context_reserve_bytes(*backend);
+  check_budget(plan, run, model, vram, measured_context, launch.world_size);
+  // Without --vram a GPU run is held against the GPU's own size, with the advice --vram would give
+  // there, instead of ending in cudaMalloc's abort.
+  if (const uint64_t gpu_bytes = device_memory_total(*backend); vram.empty() && gpu_bytes > 0)
+    refuse_over_budget(plan, run, model, gpu_bytes, fmt::format("this GPU ({} in all)", format_bytes(gpu_bytes)),
+                       measured_context, launch.world_size);
   check_host_memory(plan, backend->device());
   const std::unique_ptr<Communicator> communicator = make_communicator(launch, backend->device());
   // --profile: the engine runs on a timing wrapper that the trainer switches on for the last step.
